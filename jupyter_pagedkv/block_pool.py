@@ -1,0 +1,214 @@
+"""BlockPool: the fixed set of physical KV blocks, their ref counts and the prefix cache.
+
+Free blocks wait in a doubly linked queue threaded through the blocks themselves. Allocation
+takes from the head; a block freed without a hash goes to the head (nothing worth keeping), a
+block freed with a hash goes to the tail, so the least recently used cached prefix is evicted
+first. A prefix-cache hit on a free block unlinks it from the middle of the queue in O(1).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has no free block left; the scheduler answers this by preempting."""
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_key: object = None) -> int:
+    """Chain the parent's hash with this block's tokens, so equal hashes mean equal prefixes."""
+    return hash((parent_hash, tuple(token_ids), extra_key))
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One physical block of `block_size` KV slots."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    # What the hash covers, kept to verify hits (a hash collision must never serve wrong KV).
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    extra_key: object = None
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+    in_free_queue: bool = False
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) push at either end, pop at the head, unlink anywhere."""
+
+    def __init__(self) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-2)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Block]:
+        node = self._head.next
+        while node is not self._tail:
+            yield node
+            node = node.next
+
+    def _link(self, block: Block, before: Block) -> None:
+        assert not block.in_free_queue, f"block {block.block_id} is already free"
+        prev = before.prev
+        prev.next, block.prev, block.next, before.prev = block, prev, before, block
+        block.in_free_queue = True
+        self._len += 1
+
+    def append(self, block: Block) -> None:
+        self._link(block, self._tail)
+
+    def appendleft(self, block: Block) -> None:
+        self._link(block, self._head.next)
+
+    def remove(self, block: Block) -> None:
+        assert block.in_free_queue, f"block {block.block_id} is not free"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        block.in_free_queue = False
+        self._len -= 1
+
+    def popleft(self) -> Block:
+        if self._len == 0:
+            raise NoFreeBlocksError("no free KV blocks")
+        block = self._head.next
+        self.remove(block)
+        return block
+
+
+class BlockPool:
+    """Owns every physical block: allocation, ref counting, prefix-cache lookup and eviction."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue()
+        for block in self.blocks:
+            self.free_queue.append(block)
+        self.cached: dict[int, Block] = {}
+        # Counters in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_evictions = 0
+
+    # -- allocation -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (never filled, evicted, or cached with ref 0)."""
+        return len(self.free_queue)
+
+    def allocate(self) -> Block:
+        """Take the head of the free queue, evicting its cached prefix if it holds one."""
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_count = 1
+        return block
+
+    def incref(self, block: Block) -> None:
+        """Share a block (fork or prefix hit); a cached free block leaves the free queue."""
+        if block.ref_count == 0:
+            self.free_queue.remove(block)
+        block.ref_count += 1
+
+    def free(self, block: Block) -> None:
+        """Drop one reference; at zero the block becomes free but keeps its cached content."""
+        assert block.ref_count > 0, f"double free of block {block.block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self.free_queue.append(block)
+            else:
+                self.free_queue.appendleft(block)
+
+    def free_all(self, blocks: Iterable[Block]) -> None:
+        """Free a sequence's blocks tail first, so its prefix is the last part to be evicted."""
+        for block in reversed(list(blocks)):
+            self.free(block)
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
+               extra_key: object = None) -> Block | None:
+        """The cached block holding exactly this prefix block, or None."""
+        block = self.cached.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.extra_key != extra_key:
+            return None
+        if block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cache_block(self, block: Block, block_hash: int, parent_hash: int | None,
+                    token_ids: Sequence[int], extra_key: object = None) -> bool:
+        """Publish a full, computed block under its hash; False if an equal block already is."""
+        if not self.enable_prefix_caching or block.block_hash is not None:
+            return False
+        if block_hash in self.cached:
+            return False
+        block.block_hash, block.parent_hash = block_hash, parent_hash
+        block.token_ids, block.extra_key = tuple(token_ids), extra_key
+        self.cached[block_hash] = block
+        return True
+
+    def _evict(self, block: Block) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash = block.parent_hash = block.token_ids = block.extra_key = None
+        self.num_evictions += 1
+
+    def reset_cache(self) -> int:
+        """Forget every cached prefix (blocks in use keep their KV); returns how many were dropped."""
+        dropped = 0
+        for block in list(self.cached.values()):
+            del self.cached[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = block.extra_key = None
+            if block.ref_count == 0:
+                # An unhashed free block belongs at the head of the queue.
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+            dropped += 1
+        return dropped
+
+    # -- views --------------------------------------------------------------------------------
+    def ref_counts(self) -> np.ndarray:
+        return np.fromiter((b.ref_count for b in self.blocks), dtype=np.int32, count=self.num_blocks)
+
+    def hashed(self) -> np.ndarray:
+        return np.fromiter((b.block_hash is not None for b in self.blocks), dtype=bool,
+                           count=self.num_blocks)
+
+    def check_invariants(self, expected_refs: Counter[int]) -> None:
+        """Invariants 1-3 of DESIGN.md; `expected_refs` counts the block tables pointing at each block."""
+        free_ids = set()
+        for block in self.free_queue:
+            assert block.block_id not in free_ids, f"block {block.block_id} twice in the free queue"
+            free_ids.add(block.block_id)
+        assert len(free_ids) == len(self.free_queue), "free queue length is off"
+        for block in self.blocks:
+            want = expected_refs.get(block.block_id, 0)
+            assert block.ref_count == want, (
+                f"block {block.block_id}: ref_count {block.ref_count} but {want} tables point at it")
+            assert (block.ref_count == 0) == (block.block_id in free_ids) == block.in_free_queue, (
+                f"block {block.block_id}: ref_count {block.ref_count} but free-queue membership "
+                f"{block.block_id in free_ids}")
+        in_use = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert len(free_ids) + in_use == self.num_blocks, "free + in-use != num_blocks"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"block {block.block_id} cached under a stale hash"
+            assert block.token_ids is not None and len(block.token_ids) == self.block_size, (
+                f"block {block.block_id} is hashed but not full")
+            assert hash_block(block.parent_hash, block.token_ids, block.extra_key) == block_hash, (
+                f"block {block.block_id}: content does not match its hash")
+        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert hashed == len(self.cached), "a block carries a hash that the cache does not index"

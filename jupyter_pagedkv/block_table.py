@@ -1,0 +1,96 @@
+"""BlockTable: one sequence's logical-to-physical block map, with fork, copy-on-write and rollback."""
+from __future__ import annotations
+
+from .block_pool import Block, BlockPool, NoFreeBlocksError
+
+
+class BlockTable:
+    """Maps token position p to slot `blocks[p // block_size].block_id * block_size + p % block_size`.
+
+    `num_slots` counts the positions that own a slot; only the last block may be partly filled,
+    so a sequence wastes fewer than `block_size` slots.
+    """
+
+    __slots__ = ("pool", "blocks", "num_slots", "num_published")
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.blocks: list[Block] = []
+        self.num_slots = 0
+        self.num_published = 0   # leading blocks already offered to the prefix cache
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def blocks_needed(self, num_slots: int) -> int:
+        """New blocks (copy-on-write included) that growing to `num_slots` would take."""
+        bs = self.pool.block_size
+        extra = max(0, -(-num_slots // bs) - len(self.blocks))
+        if num_slots > self.num_slots and self._last_block_is_shared():
+            extra += 1
+        return extra
+
+    def _last_block_is_shared(self) -> bool:
+        return bool(self.blocks) and self.num_slots % self.pool.block_size != 0 \
+            and self.blocks[-1].ref_count > 1
+
+    def grow(self, num_slots: int, copies: list[tuple[int, int]]) -> None:
+        """Own slots up to `num_slots`; a shared, partly filled last block is copied first.
+
+        Appends (src, dst) block copies the KV cache must perform before the next write.
+        Raises NoFreeBlocksError without changing anything if the pool runs dry.
+        """
+        if num_slots <= self.num_slots:
+            return
+        if self.blocks_needed(num_slots) > self.pool.num_free:
+            raise NoFreeBlocksError("no free KV blocks")
+        if self._last_block_is_shared():
+            old = self.blocks[-1]
+            new = self.pool.allocate()
+            copies.append((old.block_id, new.block_id))
+            self.pool.free(old)
+            self.blocks[-1] = new
+        bs = self.pool.block_size
+        while len(self.blocks) * bs < num_slots:
+            self.blocks.append(self.pool.allocate())
+        self.num_slots = num_slots
+
+    def adopt(self, cached: list[Block]) -> None:
+        """Start an empty table from prefix-cache hits (each gets one more reference)."""
+        assert not self.blocks, "adopt() needs an empty table"
+        for block in cached:
+            self.pool.incref(block)
+        self.blocks = list(cached)
+        self.num_slots = len(cached) * self.pool.block_size
+        self.num_published = len(cached)
+
+    def slot(self, position: int) -> int:
+        bs = self.pool.block_size
+        return self.blocks[position // bs].block_id * bs + position % bs
+
+    def fork(self) -> BlockTable:
+        """A child that shares every block (ref count +1); writes later copy on demand."""
+        child = BlockTable(self.pool)
+        for block in self.blocks:
+            self.pool.incref(block)
+        child.blocks = list(self.blocks)
+        child.num_slots = self.num_slots
+        child.num_published = self.num_published
+        return child
+
+    def rollback(self, num_slots: int) -> None:
+        """Drop slots from `num_slots` on (rejected draft tokens); emptied blocks return at once."""
+        assert num_slots <= self.num_slots, "rollback cannot grow a table"
+        keep = -(-num_slots // self.pool.block_size)
+        self.pool.free_all(self.blocks[keep:])
+        del self.blocks[keep:]
+        self.num_slots = num_slots
+        self.num_published = min(self.num_published, num_slots // self.pool.block_size)
+
+    def free(self) -> None:
+        """Return every block to the pool (cached content survives until reused)."""
+        self.pool.free_all(self.blocks)
+        self.blocks = []
+        self.num_slots = 0
+        self.num_published = 0

@@ -1,0 +1,68 @@
+"""KVCache: per-layer K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The shape facts that decide KV memory: see DESIGN.md, 'Memory arithmetic'."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype) -> KVSpec:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+class KVCache:
+    """The device memory behind the BlockPool: one K and one V tensor spanning all layers."""
+
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # Zeros, not empty: padded gathers read unused slots and 0 * NaN would poison attention.
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.spec.bytes_per_token * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write, fork)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.k.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.k.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def release(self) -> None:
+        """Drop the tensors so their memory returns to the allocator (unload)."""
+        self.k = self.v = torch.empty(0)

@@ -1,0 +1,191 @@
+"""Scheduler: iteration-level (continuous) batching over the BlockPool.
+
+Every step it first advances running sequences (decodes and unfinished prefill chunks, oldest
+first), preempting the newest running sequence by recompute when a block cannot be had, then
+admits waiting sequences in arrival order while the token budget, the sequence cap and free
+blocks (above a small watermark) allow. Prefix-cache hits are taken at admission.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool, NoFreeBlocksError
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at position `start`, to compute this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so it yields a new token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write (src, dst)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 watermark: float = 0.01) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_blocks = int(watermark * pool.num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (stop, length or abort) and return its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.block_table.free()
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
+                i += 1
+            # else: seq itself was preempted and removed from `running`; index i now holds the next.
+        # Chunks of sequences preempted later in this loop must not run.
+        if out.preempted:
+            gone = {s.seq_id for s in out.preempted}
+            out.chunks = [c for c in out.chunks if c.seq.seq_id not in gone]
+            return out   # no admissions in a step that had to preempt
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            chunk = self._admit(seq, budget, out)
+            if chunk is None:
+                break   # FCFS: the head does not fit, so nothing behind it jumps the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return out
+
+    def _grow_or_preempt(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
+        """Give `seq` slots up to `num_slots`, preempting newer sequences; False if `seq` itself went."""
+        while True:
+            try:
+                seq.block_table.grow(num_slots, out.copies)
+                return True
+            except NoFreeBlocksError:
+                victim = max(self.running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return False
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the blocks (cached ones may hit again), requeue at the front."""
+        self.running.remove(seq)
+        seq.block_table.free()
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
+        pool, bs = self.pool, self.pool.block_size
+        hits = self._cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+        start = len(hits) * bs if hits else seq.num_computed_tokens
+        n = min(seq.num_tokens - start, budget)
+        # Hit blocks that sit in the free queue stop being free once we take them.
+        reclaimed = sum(1 for b in hits if b.ref_count == 0)
+        needed = -(-(start + n) // bs) - len(hits)
+        if needed + reclaimed > pool.num_free - self.watermark_blocks:
+            return None
+        if pool.enable_prefix_caching and seq.num_computed_tokens == 0:
+            pool.prefix_cache_queries += (seq.num_tokens - 1) // bs * bs
+            pool.prefix_cache_hits += len(hits) * bs
+        if hits:
+            seq.block_table.adopt(hits)
+            seq.num_computed_tokens = start
+        seq.block_table.grow(start + n, out.copies)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = start
+        return ScheduledChunk(seq, start, n)
+
+    def _cached_prefix(self, seq: Sequence) -> list:
+        """Cached blocks matching the sequence's leading full blocks; the last token is never a hit."""
+        pool = self.pool
+        if not pool.enable_prefix_caching:
+            return []
+        bs = pool.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        hits = []
+        parent = None
+        for i, h in enumerate(seq.hashes_upto(max_blocks)):
+            block = pool.lookup(h, parent, seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly full, computed blocks in the prefix cache."""
+        pool = self.pool
+        if not pool.enable_prefix_caching:
+            return
+        bs = pool.block_size
+        table = seq.block_table
+        full = seq.num_computed_tokens // bs
+        if full <= table.num_published:
+            return
+        hashes = seq.hashes_upto(full)
+        for i in range(table.num_published, full):
+            # False when an equal block is already cached (computed twice concurrently): fine.
+            pool.cache_block(table.blocks[i], hashes[i], hashes[i - 1] if i else None,
+                             seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key)
+        table.num_published = full
