@@ -1,0 +1,26 @@
+"""jupyter-pagedkv: a paged KV-cache LLM engine inside the Jupyter kernel.
+
+Importing the package is cheap: torch and transformers load only when an engine is built.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .sampling_params import BeamSearchParams, SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "SamplingParams", "BeamSearchParams", "RequestOutput", "EngineStats"]
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .outputs import EngineStats, RequestOutput
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from .engine import Engine
+        return Engine
+    if name in ("RequestOutput", "EngineStats", "CompletionOutput", "StreamDelta"):
+        from . import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'jupyter_pagedkv' has no attribute {name!r}")

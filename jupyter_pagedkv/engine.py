@@ -1,0 +1,605 @@
+"""Engine: one model, one KV cache, one scheduler; requests in, streamed outputs out.
+
+Every public call takes `self._lock`, and `step()` holds it for a whole iteration, so cells,
+widgets and a background stepping thread can share one engine safely.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import queue
+import re
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from .block_pool import BlockPool
+from .block_table import BlockTable
+from .kv_cache import KVCache, KVSpec
+from .loader import load_model
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamDelta
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+Prompt = str | list[int]
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(size: str | int) -> int:
+    """'512MiB', '1GiB', '1.5GB' or an int of bytes -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(size)
+    if not m:
+        raise ValueError(f"cannot read size {size!r}: write it like '512MiB' or '2GiB'")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request: its sequences, metrics and any streaming listeners."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    done: threading.Event = field(default_factory=threading.Event)
+    listeners: list[queue.SimpleQueue] = field(default_factory=list)
+    sent_text: list[str] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class Engine:
+    """A paged KV-cache engine over an unmodified Hugging Face causal LM."""
+
+    def __init__(self, model, tokenizer=None, *, name: str | None = None, device: str = "auto",
+                 block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: str | int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 preemption_mode: str = "recompute", allocator: str = "paged",
+                 max_model_len: int | None = None, attention_backend: str = "auto",
+                 seed: int | None = None) -> None:
+        if preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode {preemption_mode!r} is not available yet: use 'recompute'")
+        if allocator != "paged":
+            raise ValueError(f"allocator {allocator!r} is not available yet: use 'paged'")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 4096
+        self.vocab_size = config.vocab_size
+        self.spec = KVSpec.from_config(model.config, self.dtype)
+        self.block_size = block_size
+        if num_blocks is None:
+            budget = parse_size(kv_cache_memory) if kv_cache_memory is not None else self._default_kv_bytes()
+            num_blocks = budget // (self.spec.bytes_per_token * block_size)
+        if num_blocks < 1:
+            raise ValueError("the KV cache holds no block: give more kv_cache_memory or num_blocks")
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.kv_cache = KVCache(self.spec, num_blocks, block_size, self.device)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens)
+        backend = attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        self.runner = ModelRunner(model, self.kv_cache, self.device, backend)
+        self.sampler = Sampler(seed)
+        self.eos_token_ids = self._eos_ids()
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._requests: dict[str, Request] = {}
+        self.finished_requests: deque[Request] = deque(maxlen=1000)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._token_times: deque[tuple[float, int]] = deque()
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+        self.step_time_s = 0.0
+        self.forward_time_s = 0.0
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
+                        **kwargs) -> Engine:
+        """Load a model (None: the embedded SmolLM2-135M-Instruct) and build an engine around it."""
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                           else ("cpu" if device == "auto" else device))
+        if dtype == "auto":
+            torch_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        else:
+            torch_dtype = getattr(torch, str(dtype).replace("torch.", ""), None)
+            if not isinstance(torch_dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+        loaded = load_model(model, torch_dtype, dev)
+        return cls(loaded.model, loaded.tokenizer, name=loaded.name, **kwargs)
+
+    def _default_kv_bytes(self) -> int:
+        """CPU: a modest 1 GiB. CUDA: 90% of what is free after weights, minus an activation reserve."""
+        if self.device.type != "cuda":
+            return 1 << 30
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * 0.9) - (1 << 30)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return ids
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue one request; returns its id. Bad input raises ValueError before anything is queued."""
+        params = params or SamplingParams()
+        params.validate()
+        text, ids = self._tokenize(prompt)
+        self._check_fits(ids, params)
+        if params.n != 1:
+            raise ValueError("n > 1 (parallel sampling) is not available yet: use n=1")
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            now = time.perf_counter()
+            seq = Sequence(rid, list(ids), len(ids), params, BlockTable(self.pool), now, priority)
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed)
+            req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now))
+            self._requests[rid] = req
+            self.scheduler.add(seq)
+            self._work.notify_all()
+        return rid
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("empty prompt: give some text or token ids")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids instead of text")
+            return prompt, self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give some text or token ids")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return None, ids
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's context is "
+                             f"{self.max_model_len}: shorten the prompt")
+        need_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
+        need_blocks = -(-need_tokens // self.block_size)
+        if need_blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"one request needs {need_blocks} blocks ({len(ids)} prompt + {params.max_tokens} "
+                f"new tokens) but the pool has {self.pool.num_blocks}: lower max_tokens or load "
+                f"with more num_blocks / kv_cache_memory")
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks at once; False if it was not live."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.finished:
+                return False
+            now = time.perf_counter()
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+            self._finish_request(req, now)
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work()
+
+    # -- one iteration --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs of requests that advanced."""
+        with self._lock:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.scheduler.has_work():
+                    raise RuntimeError("the scheduler could not run any request: the pool is too small")
+                return []
+            try:
+                sampling, logits = self.runner.execute(sched.chunks, sched.copies)
+                tokens = self.sampler(logits, [c.seq for c in sampling])
+            except BaseException as err:
+                self._fail_all(err)
+                raise
+            now = time.perf_counter()
+            touched: dict[str, Request] = {}
+            for c in sched.chunks:
+                seq = c.seq
+                seq.num_computed_tokens = c.start + c.num_tokens
+                self.scheduler.cache_computed_blocks(seq)
+                req = self._requests[seq.request_id]
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = t0
+                touched[req.request_id] = req
+            for c, token in zip(sampling, tokens):
+                self._append_token(c.seq, token, now)
+            outputs = []
+            for req in touched.values():
+                if req.finished:
+                    self._finish_request(req, now)
+                outputs.append(self._output(req))
+                self._publish(req)
+            self.num_generated_tokens += len(tokens)
+            self._token_times.append((now, len(tokens)))
+            while self._token_times and now - self._token_times[0][0] > 10.0:
+                self._token_times.popleft()
+            self.num_steps += 1
+            self.forward_time_s += self.runner.last_forward_s
+            self.step_time_s += time.perf_counter() - t0
+            return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        req = self._requests[seq.request_id]
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.num_generated_tokens += 1
+        params = seq.params
+        reason: str | None = None
+        if token in params.stop_token_ids:
+            reason, seq.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif params.stop and self.tokenizer is not None:
+            text = self._decode(seq.output_token_ids)
+            for s in params.stop:
+                at = text.find(s)
+                if at >= 0:
+                    reason, seq.stop_reason, seq.text = "stop", s, text[:at]
+                    break
+        if reason is None and (seq.num_output_tokens >= params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _finish_request(self, req: Request, now: float) -> None:
+        req.metrics.finish_time = now
+        for seq in req.seqs:
+            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+                seq.text = self._decode(seq.output_token_ids)
+        self._requests.pop(req.request_id, None)
+        self.finished_requests.append(req)
+        self._publish(req)
+        req.done.set()
+
+    def _fail_all(self, err: BaseException) -> None:
+        """A broken step fails every live request and returns all their blocks."""
+        now = time.perf_counter()
+        for req in list(self._requests.values()):
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+            req.error = err
+            self._finish_request(req, now)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _output(self, req: Request) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(req.seqs):
+            text = seq.text if seq.is_finished else self._decode(seq.output_token_ids)
+            completions.append(CompletionOutput(i, text, list(seq.output_token_ids),
+                                                seq.finish_reason, seq.stop_reason))
+        cached = req.seqs[0].num_cached_tokens or 0
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             req.finished, cached, req.metrics)
+
+    def _publish(self, req: Request) -> None:
+        """Send each listener the text and tokens added since the last update."""
+        if not req.listeners:
+            return
+        seq = req.seqs[0]
+        finished = req.finished
+        tokens = seq.output_token_ids
+        text = seq.text if finished else self._decode(tokens)
+        if not finished and text.endswith("\ufffd"):
+            return   # an incomplete UTF-8 sequence: wait for the next token
+        sent = "".join(req.sent_text)
+        new_tokens = tokens[len(req.sent_tokens):]
+        new_text = text[len(sent):] if text.startswith(sent) else text
+        if not new_tokens and not new_text and not finished:
+            return
+        req.sent_text.append(new_text)
+        req.sent_tokens.extend(new_tokens)
+        delta = StreamDelta(req.request_id, new_text, new_tokens, finished,
+                            seq.finish_reason, self._output(req) if finished else None)
+        for q in req.listeners:
+            q.put(delta)
+
+    # -- high-level API -----------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion together; one RequestOutput per prompt, in order."""
+        prompt_list = self._as_prompt_list(prompts)
+        param_list = self._as_param_list(params, len(prompt_list))
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompt_list, param_list):
+                ids.append(self.add_request(p, sp))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        return self._wait(ids, use_tqdm)
+
+    def chat(self, messages, params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Chat-template one conversation (a list of {role, content}) or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.apply_chat_template(c) for c in conversations], params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: use generate() with plain text")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[StreamDelta]:
+        """Yield text increments as they are generated; closing the iterator aborts the request."""
+        listener: queue.SimpleQueue = queue.SimpleQueue()
+        rid = self.add_request(prompt, params, request_id)
+        with self._lock:
+            req = self._requests.get(rid)
+            if req is not None:
+                req.listeners.append(listener)
+            else:
+                req = next(r for r in self.finished_requests if r.request_id == rid)
+        try:
+            while True:
+                if not self.is_running:
+                    while listener.empty() and not req.done.is_set():
+                        self.step()
+                    if listener.empty() and req.done.is_set():
+                        if req.error is not None:
+                            raise req.error
+                        return
+                delta = listener.get()
+                yield delta
+                if delta.finished:
+                    if req.error is not None:
+                        raise req.error
+                    return
+        finally:
+            if not req.done.is_set():
+                self.abort(rid)
+
+    def _wait(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        with self._lock:
+            reqs = [self._requests[rid] for rid in ids]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        try:
+            done = 0
+            while done < len(reqs):
+                if self.is_running:
+                    reqs[done].done.wait(timeout=0.1)
+                else:
+                    self.step()
+                now_done = sum(r.done.is_set() for r in reqs)
+                if bar is not None and now_done > done:
+                    bar.update(now_done - done)
+                done = now_done if now_done > done else done
+                while done < len(reqs) and reqs[done].done.is_set():
+                    done += 1
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return [self._output(r) for r in reqs]
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        return prompts
+
+    @staticmethod
+    def _as_param_list(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
+        return params
+
+    # -- background stepping ---------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Step in a background thread whenever there is work (cells and widgets share the engine)."""
+        with self._lock:
+            if self.is_running:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="pagedkv-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.scheduler.has_work():
+                    self._work.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:   # the failing requests carry the error; keep serving the others
+                pass
+
+    # -- introspection -----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        with self._lock:
+            pool, bs = self.pool, self.block_size
+            refs = [b.ref_count for b in pool.blocks]
+            num_used = sum(1 for r in refs if r > 0)
+            num_shared = sum(1 for r in refs if r > 1)
+            num_cached = sum(1 for b in pool.blocks if b.ref_count == 0 and b.block_hash is not None)
+            fill: dict[int, int] = {}
+            for seq in self.scheduler.live:
+                table = seq.block_table
+                for i, block in enumerate(table.blocks):
+                    n = min(bs, table.num_slots - i * bs)
+                    if n > fill.get(block.block_id, 0):
+                        fill[block.block_id] = n
+            tokens_stored = sum(fill.values())
+            now = time.perf_counter()
+            window = [(t, n) for t, n in self._token_times if now - t <= 10.0]
+            tps = 0.0
+            if len(window) >= 2:
+                span = window[-1][0] - window[0][0]
+                tps = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+            return EngineStats(
+                num_blocks=pool.num_blocks, block_size=bs,
+                num_free=pool.num_blocks - num_used - num_cached, num_used=num_used,
+                num_cached=num_cached, num_shared=num_shared,
+                kv_cache_usage=num_used / pool.num_blocks,
+                tokens_stored=tokens_stored, slots_allocated=num_used * bs,
+                internal_waste=num_used * bs - tokens_stored,
+                prefix_cache_queries=pool.prefix_cache_queries, prefix_cache_hits=pool.prefix_cache_hits,
+                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                num_preempted=sum(1 for s in self.scheduler.waiting if s.num_preemptions),
+                num_preemptions=self.scheduler.num_preemptions, num_swapped_blocks=0,
+                tokens_per_s=tps, num_generated_tokens=self.num_generated_tokens,
+                num_finished=len(self.finished_requests),
+                latency_percentiles=self._percentiles(),
+            )
+
+    def _percentiles(self) -> dict[str, dict[str, float]]:
+        result = {}
+        for name in ("ttft", "tpot", "latency"):
+            values = [getattr(r.metrics, name) for r in self.finished_requests if r.error is None]
+            values = sorted(v for v in values if v is not None)
+            if values:
+                pick = lambda q: values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+                result[name] = {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+        return result
+
+    def pool_snapshot(self) -> dict:
+        """Per-block state for monitors: 'free', 'cached', 'used' or 'shared', ref counts, owners."""
+        with self._lock:
+            owners: dict[int, list[str]] = {}
+            for seq in self.scheduler.live:
+                for block in seq.block_table.blocks:
+                    owners.setdefault(block.block_id, []).append(seq.request_id)
+            states = []
+            for b in self.pool.blocks:
+                if b.ref_count > 1:
+                    states.append("shared")
+                elif b.ref_count == 1:
+                    states.append("used")
+                elif b.block_hash is not None:
+                    states.append("cached")
+                else:
+                    states.append("free")
+            return {"num_blocks": self.pool.num_blocks, "block_size": self.block_size,
+                    "states": states, "ref_counts": [b.ref_count for b in self.pool.blocks],
+                    "owners": owners}
+
+    def check_invariants(self) -> None:
+        """Assert every invariant of DESIGN.md; raises AssertionError naming the broken one."""
+        with self._lock:
+            expected: Counter[int] = Counter()
+            bs = self.block_size
+            live = self.scheduler.live
+            for seq in live:
+                table = seq.block_table
+                expected.update(b.block_id for b in table.blocks)
+                assert len(table.blocks) == -(-table.num_slots // bs), (
+                    f"{seq.request_id}: {len(table.blocks)} blocks for {table.num_slots} slots "
+                    f"(invariant 5: waste must stay under one block)")
+                assert seq.num_computed_tokens <= table.num_slots, (
+                    f"{seq.request_id}: computed tokens without slots")
+                for i, block in enumerate(table.blocks):
+                    if block.block_hash is not None:
+                        assert list(block.token_ids) == seq.token_ids[i * bs:(i + 1) * bs], (
+                            f"{seq.request_id}: block {block.block_id} content differs from its hash "
+                            f"(invariant 3)")
+            self.pool.check_invariants(expected)
+            if not live:
+                assert all(b.ref_count == 0 for b in self.pool.blocks), "blocks referenced with no request"
+
+    def reset_prefix_cache(self) -> int:
+        with self._lock:
+            return self.pool.reset_cache()
+
+    def shutdown(self) -> None:
+        """Stop stepping, abort what is left and release the model and the KV memory."""
+        self.stop()
+        with self._lock:
+            for rid in list(self._requests):
+                self.abort(rid)
+            self.kv_cache.release()
+            self.runner.model = None
+            self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __repr__(self) -> str:
+        return (f"Engine({self.name!r}, device={self.device.type}, dtype={str(self.dtype).replace('torch.', '')}, "
+                f"blocks={self.pool.num_blocks}x{self.block_size})")

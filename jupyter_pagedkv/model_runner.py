@@ -1,0 +1,105 @@
+"""ModelRunner: one scheduler step -> one flat forward pass -> logits at the sampling positions."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk
+from .kv_cache import KVCache
+from .scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    """Packs the step's chunks into `[1, num_tokens]` (decodes first), runs the unmodified HF model
+    with our attention, and returns logits only for chunks that end at their sequence's last token."""
+
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch") -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.backend = backend
+        self.last_forward_s = 0.0
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], dict]:
+        """Order chunks decode-first and build the model inputs plus the shared PagedMetadata."""
+        bs = self.kv_cache.block_size
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_loc = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for c in decodes:
+            table = c.seq.block_table
+            ids.append(c.seq.token_ids[c.start])
+            positions.append(c.start)
+            slots.append(table.slot(c.start))
+            q_loc.append(q_loc[-1] + 1)
+            seq_lens.append(c.start + 1)
+            tables.append(table.block_ids)
+        prefill_info: list[PrefillChunk] = []
+        prefill_slots: list[torch.Tensor] = []
+        for c in prefills:
+            table = c.seq.block_table
+            end = c.start + c.num_tokens
+            ids.extend(c.seq.token_ids[c.start:end])
+            pos = torch.arange(c.start, end)
+            positions.extend(range(c.start, end))
+            block_ids = torch.tensor(table.block_ids[: -(-end // bs)], dtype=torch.long)
+            prefill_slots.append(block_ids[pos // bs] * bs + pos % bs)
+            mask = None
+            if c.start > 0:
+                mask = torch.arange(end).view(1, -1) <= pos.view(-1, 1)
+            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids, mask))
+            q_loc.append(q_loc[-1] + c.num_tokens)
+            seq_lens.append(end)
+            tables.append(table.block_ids)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        if prefill_slots:
+            slot_mapping = torch.cat([slot_mapping, *prefill_slots])
+        max_blocks = max(len(t) for t in tables)
+        padded = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            padded[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        meta = PagedMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=slot_mapping.to(self.device),
+            query_start_loc=torch.tensor(q_loc, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_tables=padded.to(self.device),
+            num_decode=len(decodes),
+            prefills=prefill_info,
+            max_seq_len=max(seq_lens),
+            backend=self.backend,
+        )
+        if decodes:
+            nd = len(decodes)
+            dec_blocks = max(len(t) for t in tables[:nd])
+            meta.decode_block_tables = padded[:nd, :dec_blocks].long().to(self.device)
+            lens = torch.tensor(seq_lens[:nd]).view(nd, 1)
+            meta.decode_mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)
+        sample_rows = [q_loc[i + 1] - 1 for i, c in enumerate(ordered) if c.samples]
+        inputs = {
+            "input_ids": torch.tensor([ids], device=self.device),
+            "position_ids": torch.tensor([positions], device=self.device),
+            "logits_to_keep": torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            "paged": meta,
+        }
+        return ordered, inputs
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]]
+                ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run one step; returns the sampling chunks and their logits `[num_sampling, vocab]`, in order."""
+        self.kv_cache.copy_blocks(copies)
+        ordered, inputs = self.prepare(chunks)
+        t0 = time.perf_counter()
+        out = self.model(**inputs, use_cache=False)
+        logits = out.logits[0].float()
+        self.last_forward_s = time.perf_counter() - t0
+        return [c for c in ordered if c.samples], logits

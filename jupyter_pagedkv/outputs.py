@@ -1,0 +1,141 @@
+"""What the engine hands back: per-request outputs with metrics, and engine-wide stats."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.perf_counter) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_generated_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from arrival."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """End-to-end time, arrival to finish."""
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.finish_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    """One generated continuation (one of `n` samples)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class StreamDelta:
+    """An increment of one request's output, as `Engine.stream` yields it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+
+
+@dataclass
+class EngineStats:
+    """Gauges and counters, defined precisely (blocks and tokens are physical, counted once).
+
+    num_free: blocks holding nothing reusable; num_cached: ref 0 but holding a reusable prefix;
+    num_used: ref >= 1; num_shared: ref >= 2; kv_cache_usage = num_used / num_blocks.
+    tokens_stored: distinct slots holding KV of live sequences; slots_allocated = num_used x
+    block_size; internal_waste = slots_allocated - tokens_stored.
+    prefix_cache_queries / _hits: prompt tokens looked up / found in the cache at admission.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_free: int
+    num_used: int
+    num_cached: int
+    num_shared: int
+    kv_cache_usage: float
+    tokens_stored: int
+    slots_allocated: int
+    internal_waste: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    num_preemptions: int
+    num_swapped_blocks: int
+    tokens_per_s: float
+    num_generated_tokens: int
+    num_finished: int
+    latency_percentiles: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def summary(self) -> str:
+        """A few human lines, for the terminal demo and `%pagedkv status`."""
+        lines = [
+            f"blocks: {self.num_used} used ({self.num_shared} shared), {self.num_cached} cached, "
+            f"{self.num_free} free of {self.num_blocks} x {self.block_size} tokens "
+            f"(KV usage {self.kv_cache_usage:.1%})",
+            f"waste: {self.internal_waste} of {self.slots_allocated} allocated slots unused "
+            f"({self.tokens_stored} tokens stored)",
+            f"prefix cache: {self.prefix_cache_hits} / {self.prefix_cache_queries} prompt tokens hit "
+            f"({self.prefix_hit_rate:.1%})",
+            f"requests: {self.num_running} running, {self.num_waiting} waiting, "
+            f"{self.num_finished} finished, {self.num_preemptions} preemptions",
+            f"throughput: {self.tokens_per_s:.1f} generated tokens/s",
+        ]
+        ttft = self.latency_percentiles.get("ttft")
+        if ttft:
+            lat = self.latency_percentiles["latency"]
+            lines.append(f"latency: TTFT p50 {ttft['p50']*1e3:.0f} ms / p99 {ttft['p99']*1e3:.0f} ms, "
+                         f"end-to-end p50 {lat['p50']:.2f} s / p99 {lat['p99']:.2f} s")
+        return "\n".join(lines)
