@@ -411,18 +411,17 @@ class Engine:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
         try:
-            done = 0
-            while done < len(reqs):
+            reported = 0
+            pending = list(reqs)
+            while pending:
                 if self.is_running:
-                    reqs[done].done.wait(timeout=0.1)
+                    pending[0].done.wait(timeout=0.1)
                 else:
                     self.step()
-                now_done = sum(r.done.is_set() for r in reqs)
-                if bar is not None and now_done > done:
-                    bar.update(now_done - done)
-                done = now_done if now_done > done else done
-                while done < len(reqs) and reqs[done].done.is_set():
-                    done += 1
+                pending = [r for r in pending if not r.done.is_set()]
+                if bar is not None and len(reqs) - len(pending) > reported:
+                    bar.update(len(reqs) - len(pending) - reported)
+                    reported = len(reqs) - len(pending)
         except BaseException:
             for rid in ids:
                 self.abort(rid)

@@ -96,6 +96,9 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]]
                 ) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run one step; returns the sampling chunks and their logits `[num_sampling, vocab]`, in order."""
+        if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            # Someone (a test, a peer benchmark) switched the model back to another attention.
+            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.kv_cache.copy_blocks(copies)
         ordered, inputs = self.prepare(chunks)
         t0 = time.perf_counter()

@@ -1,0 +1,68 @@
+"""Bad input gets one clear error; the engine stays usable and leaks no block."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_model
+from jupyter_pagedkv import Engine, SamplingParams
+from jupyter_pagedkv.loader import ModelNotFoundError
+
+MODEL = tiny_model("llama")
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine(MODEL, block_size=4, num_blocks=32)
+
+
+def still_works(engine):
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    engine.check_invariants()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda e: e.generate([[]], SamplingParams()), "empty prompt"),
+    (lambda e: e.generate(["   "], SamplingParams()), "empty prompt"),
+    (lambda e: e.generate([[1] * 600], SamplingParams(max_tokens=1)), "context"),
+    (lambda e: e.generate([[1, 2]], SamplingParams(max_tokens=200)), "blocks"),
+    (lambda e: e.generate([[1, 2], [9999]], SamplingParams(max_tokens=2)), "token ids"),
+    (lambda e: e.generate([[1, 2], [3]], [SamplingParams()]), "one per prompt"),
+])
+def test_bad_request_is_a_clear_error_and_the_engine_survives(engine, bad, message):
+    with pytest.raises(ValueError, match=message):
+        bad(engine)
+    still_works(engine)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+])
+def test_bad_sampling_params_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_a_failed_batch_submission_leaves_nothing_queued(engine):
+    with pytest.raises(ValueError):
+        engine.generate([[1, 2, 3], [4, 5], []], SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished_requests()
+    still_works(engine)
+
+
+def test_unknown_model_is_one_line(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not a local folder"):
+        Engine.from_pretrained("no-such-org/no-such-model")
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        Engine.from_pretrained(str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="no model folder"):
+        Engine.from_pretrained(str(tmp_path / "missing" / "dir"))
+
+
+def test_kv_memory_too_small_for_one_block_is_refused():
+    with pytest.raises(ValueError, match="holds no block"):
+        Engine(MODEL, None, kv_cache_memory="1KiB")

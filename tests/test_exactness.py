@@ -1,0 +1,80 @@
+"""Greedy output of the engine equals transformers' `generate`, under every scheduling regime."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
+from jupyter_pagedkv import SamplingParams
+
+ARCHS = ["llama", "qwen3", "mistral", "phi3"]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_case(request):
+    model = tiny_model(request.param)
+    prompts = random_prompts(8, 256, seed=7)
+    refs = [hf_greedy(model, p, 32, stop_at_eos=False) for p in prompts]
+    return request.param, model, prompts, refs
+
+
+def check(model, prompts, refs, outputs):
+    identical = [assert_same_or_near_tie(model, p, o.token_ids, r) for p, o, r in zip(prompts, outputs, refs)]
+    # Near-ties may excuse a rare flip, never most of the batch.
+    assert sum(identical) >= len(identical) - 1
+
+
+def test_batch_of_8_is_token_identical_to_hf_generate(arch_case, make_engine):
+    _, model, prompts, refs = arch_case
+    engine = make_engine(model, block_size=16)
+    check(model, prompts, refs, engine.generate(prompts, GREEDY))
+
+
+def test_identical_under_preemption(arch_case, make_engine):
+    _, model, prompts, refs = arch_case
+    # 24 blocks of 4 slots cannot hold 8 sequences of up to ~90 tokens: recompute preemption.
+    engine = make_engine(model, block_size=4, num_blocks=24)
+    check(model, prompts, refs, engine.generate(prompts, GREEDY))
+    assert engine.stats().num_preemptions > 0
+
+
+def test_identical_with_chunked_prefill(arch_case, make_engine):
+    _, model, prompts, refs = arch_case
+    engine = make_engine(model, block_size=8, max_num_batched_tokens=13)
+    assert max(len(p) for p in prompts) > 13
+    check(model, prompts, refs, engine.generate(prompts, GREEDY))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_identical_with_prefix_caching_on_and_off(prefix_caching, make_engine):
+    model = tiny_model("llama")
+    shared = random_prompts(1, 256, seed=3, lo=40, hi=41)[0]
+    prompts = [shared + tail for tail in random_prompts(6, 256, seed=4, lo=1, hi=20)]
+    refs = [hf_greedy(model, p, 32, stop_at_eos=False) for p in prompts]
+    engine = make_engine(model, block_size=8, enable_prefix_caching=prefix_caching)
+    first = engine.generate(prompts[:1], GREEDY)           # warms the cache with the shared prefix
+    rest = engine.generate(prompts[1:], GREEDY)
+    check(model, prompts, refs, first + rest)
+    hits = engine.stats().prefix_cache_hits
+    assert (hits >= 5 * 40 // 8 * 8) if prefix_caching else hits == 0
+
+
+def test_stop_at_eos_like_hf(make_engine):
+    model = tiny_model("llama", seed=3)
+    prompts = random_prompts(6, 256, seed=11)
+    # Make EOS likely so that some sequences stop early.
+    with torch.no_grad():
+        model.lm_head.weight[2] += 0.6 * model.lm_head.weight.abs().mean()
+    refs = [hf_greedy(model, p, 32, stop_at_eos=True) for p in prompts]
+    engine = make_engine(model)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
+    check(model, prompts, refs, outs)
+    for o in outs:
+        assert o.finish_reason == ("stop" if o.token_ids[-1] == 2 else "length")

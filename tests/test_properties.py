@@ -1,0 +1,56 @@
+"""Random interleavings of add / step / abort / finish never break the pool's invariants."""
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import tiny_model
+from jupyter_pagedkv import Engine, SamplingParams
+
+MODEL = tiny_model("llama", vocab=64, seed=5)
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.integers(0, 3)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("reset"),),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=25),
+       block_size=st.sampled_from([1, 2, 4, 8]),
+       num_blocks=st.integers(12, 40),
+       budget=st.integers(4, 64),
+       prefix_caching=st.booleans())
+def test_random_interleavings_keep_invariants(ops, block_size, num_blocks, budget, prefix_caching):
+    engine = Engine(MODEL, None, block_size=block_size, num_blocks=num_blocks,
+                    max_num_batched_tokens=budget, max_num_seqs=6,
+                    enable_prefix_caching=prefix_caching)
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]   # common prefixes make cache hits
+    ids: list[str] = []
+    for o in ops:
+        if o[0] == "add":
+            _, plen, max_tokens, kind = o
+            prompt = (shared[: plen] + list(range(20, 20 + plen)))[:plen] if kind else \
+                torch.randint(3, 64, (plen,)).tolist()
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind != 3 else 0.8,
+                                    seed=kind, ignore_eos=True)
+            try:
+                ids.append(engine.add_request(prompt, params))
+            except ValueError:
+                pass   # a request larger than the whole pool is refused up front
+        elif o[0] == "step":
+            for _ in range(o[1]):
+                engine.step()
+                engine.check_invariants()
+        elif o[0] == "abort" and ids:
+            engine.abort(ids[o[1] % len(ids)])
+        elif o[0] == "reset":
+            engine.reset_prefix_cache()
+        engine.check_invariants()
+    while engine.has_unfinished_requests():   # "finish": run everything to completion
+        engine.step()
+        engine.check_invariants()
+    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert engine.pool.num_free == num_blocks
