@@ -2,11 +2,13 @@
 
 The kernels live in `kernels/` at the repository root and install as `jupyter_pagedkv_kernels`.
 From a plain source checkout (nothing installed) that name is not importable, so `load_kernels`
-registers the directory under it by path; nothing is ever importable as plain `kernels`.
+registers the directory under it by path. The directory has no `__init__.py`, so even with the
+checkout on sys.path it never shadows an installed `kernels` distribution (kernels/README.md).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -30,18 +32,14 @@ def load_kernels() -> ModuleType:
         if err.name != KERNELS_PACKAGE:
             raise
     source = Path(__file__).resolve().parent.parent / "kernels"
-    spec = importlib.util.spec_from_file_location(
-        KERNELS_PACKAGE, source / "__init__.py", submodule_search_locations=[str(source)])
-    if spec is None or not (source / "__init__.py").exists():
+    if not (source / "paged_attention.py").exists():
         raise ModuleNotFoundError(f"{KERNELS_PACKAGE} is not installed and {source} is missing",
                                   name=KERNELS_PACKAGE)
+    # kernels/ has no __init__.py (see kernels/README.md): a bare package whose path is the folder
+    spec = importlib.machinery.ModuleSpec(KERNELS_PACKAGE, None, is_package=True)
+    spec.submodule_search_locations = [str(source)]
     module = importlib.util.module_from_spec(spec)
     sys.modules[KERNELS_PACKAGE] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[KERNELS_PACKAGE]
-        raise
     return module
 
 

@@ -30,8 +30,8 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_
     dst = block * stride_cb + offset * stride_cs + head * stride_ch + dim
     k = tl.load(key_ptr + token * stride_kt + head * stride_kh + dim, mask=ok)
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + dim, mask=ok)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(k_cache_ptr + dst, k, mask=ok)
+    tl.store(v_cache_ptr + dst, v, mask=ok)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -39,12 +39,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     """Store `key`/`value [T, kv_heads, head_dim]` at flat slots `slot_mapping [T]` (-1 skips).
 
     Slot s is position s % block_size of block s // block_size. Inputs may be strided along
-    tokens and heads (e.g. a transposed view); the last dimension must be contiguous.
+    tokens and heads (e.g. a transposed view); the last dimension must be contiguous. Like the
+    torch path (`index_copy_`), rows must already have the cache's dtype.
     """
     num_tokens, kv_heads, head_dim = key.shape
     block_size = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert key.stride(-1) == 1 and value.stride(-1) == 1
+    assert key.dtype == value.dtype == k_cache.dtype, "K/V must already be in the cache dtype"
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
