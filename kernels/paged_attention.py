@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _sequence_of_program(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     """Sequence i owns programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): find i."""
-    lo: tl.int32 = 0
+    lo = num_seqs * 0       # an int32 scalar, like hi (a plain 0 would not type the loop)
     hi = num_seqs
     while lo < hi:          # first sequence whose first program lies after pid
         mid = (lo + hi) // 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -247,6 +246,7 @@ def test_kernels_package_is_loaded_under_its_own_name_and_the_wheel_ships_it_so(
     package = kernels_bridge.load_kernels()
     assert package.__name__ == "jupyter_pagedkv_kernels"
     assert kernel_module("cache_ops").__name__ == "jupyter_pagedkv_kernels.cache_ops"
+    tomllib = pytest.importorskip("tomllib")      # Python >= 3.11
     wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
     assert wheel["force-include"] == {"kernels": "jupyter_pagedkv_kernels"}
 
