@@ -1,0 +1,100 @@
+"""The engine's door to the Triton kernels: backend choice and `PagedMetadata` adapters.
+
+The kernels live in `kernels/` at the repository root and install as `jupyter_pagedkv_kernels`.
+From a plain source checkout (nothing installed) that name is not importable, so `load_kernels`
+registers the directory under it by path. The directory has no `__init__.py`, so even with the
+checkout on sys.path it never shadows an installed `kernels` distribution (kernels/README.md).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+KERNELS_PACKAGE = "jupyter_pagedkv_kernels"
+BACKEND_ENV = "JUPYTER_PAGEDKV_BACKEND"     # "auto" (default), "triton" or "torch"
+BACKENDS = ("auto", "triton", "torch")
+
+
+def load_kernels() -> ModuleType:
+    """Import the kernels package (imports Triton); from a checkout, load `kernels/` by path."""
+    if KERNELS_PACKAGE in sys.modules:
+        return sys.modules[KERNELS_PACKAGE]
+    try:
+        return importlib.import_module(KERNELS_PACKAGE)
+    except ModuleNotFoundError as err:
+        if err.name != KERNELS_PACKAGE:
+            raise
+    source = Path(__file__).resolve().parent.parent / "kernels"
+    if not (source / "paged_attention.py").exists():
+        raise ModuleNotFoundError(f"{KERNELS_PACKAGE} is not installed and {source} is missing",
+                                  name=KERNELS_PACKAGE)
+    # kernels/ has no __init__.py (see kernels/README.md): a bare package whose path is the folder
+    spec = importlib.machinery.ModuleSpec(KERNELS_PACKAGE, None, is_package=True)
+    spec.submodule_search_locations = [str(source)]
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[KERNELS_PACKAGE] = module
+    return module
+
+
+def kernel_module(name: str) -> ModuleType:
+    """A submodule of the kernels package: "paged_attention", "cache_ops", "reference", "bench"."""
+    return importlib.import_module(f"{load_kernels().__name__}.{name}")
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """Can the Triton kernels run on `device`? CUDA with Triton installed, or any device while
+    Triton's interpreter is on (TRITON_INTERPRET=1, how the CPU tests run them)."""
+    device = torch.device(device)
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if device.type != "cuda" and not (interpret and device.type == "cpu"):
+        return False
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(device: torch.device | str, requested: str | None = None) -> str:
+    """The attention backend for `device`: `requested` (or $JUPYTER_PAGEDKV_BACKEND, default
+    "auto"). "auto" is Triton on CUDA and torch elsewhere; "triton"/"torch" force one, and forcing
+    Triton where it cannot run is an error rather than a silent fallback."""
+    choice = requested or os.environ.get(BACKEND_ENV) or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {choice!r}")
+    device = torch.device(device)
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and triton_available(device) else "torch"
+    if choice == "triton" and not triton_available(device):
+        raise RuntimeError(f"the Triton backend cannot run on {device} (no CUDA, or no Triton; "
+                           "on the CPU set TRITON_INTERPRET=1 before importing triton)")
+    return choice
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta, scale: float, window: int | None) -> torch.Tensor:
+    """`q [T, heads, head_dim]` over one layer's cache, described by a `PagedMetadata`."""
+    max_seq_len = meta.max_seq_len or None
+    return kernel_module("paged_attention").paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        max_seq_len=max_seq_len, sliding_window=window)
+
+
+def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same contract as `attention.write_kv` (-1 skips a row), one kernel launch, no host sync."""
+    kernel_module("cache_ops").write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+
+def copy_blocks_triton(k: torch.Tensor, v: torch.Tensor, pairs) -> None:
+    """Same contract as `KVCache.copy_blocks` on the whole-cache tensors `[layers, blocks, ...]`."""
+    kernel_module("cache_ops").copy_blocks(k, v, pairs)
+
+
+if __name__ == "__main__":      # from a source checkout: python -m jupyter_pagedkv.kernels_bridge --smoke
+    sys.exit(kernel_module("bench").main(sys.argv[1:]))

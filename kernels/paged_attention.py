@@ -1,0 +1,261 @@
+"""Unified paged attention in Triton: prefill chunks and decode tokens in one varlen launch.
+
+One program owns a tile of query rows of one sequence for one KV head. With grouped-query
+attention the rows are (token, query head) pairs that share that KV head, so each K/V tile read
+through the block table serves the whole group. Keys are visited in tiles of `TILE_N` positions
+(any multiple or divisor of the paged block size); every key position looks up its physical block,
+so the tile size is independent of the cache's block size. Softmax is online, accumulation fp32.
+
+Split-K (flash-decoding): when few programs would run over long contexts, a third grid axis cuts
+each sequence's key range into `num_splits` parts; each part writes an unnormalised partial result
+with its running max and sum, and a small reduction kernel merges them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sequence_of_program(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence i owns programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): find i."""
+    lo = num_seqs * 0       # an int32 scalar, like hi (a plain 0 would not type the loop)
+    hi = num_seqs
+    while lo < hi:          # first sequence whose first program lies after pid
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2, num_seqs, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, num_heads,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _sequence_of_program(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    q_tile = pid - (q_begin // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    first_pos = ctx_len - q_len                      # position of the sequence's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // GROUP           # token index inside the sequence's chunk
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = first_pos + tok
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + (q_begin + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_FP32:    # the interpreter's tl.dot mishandles bf16: same rounding, fp32 operands
+        q = q.to(tl.float32)
+
+    # Keys this tile needs: [kv_lo, kv_hi), causal bound from its last query row.
+    last_tok = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
+    kv_hi = first_pos + last_tok + 1
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(first_pos + q_tile * BLOCK_Q - window + 1, 0)
+        kv_lo = (kv_lo // TILE_N) * TILE_N
+    num_tiles = tl.cdiv(kv_hi - kv_lo, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for t in range(tile_lo, tile_hi):
+        k_pos = kv_lo + t * TILE_N + tl.arange(0, TILE_N)
+        k_ok = k_pos < kv_hi
+        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = k_pos % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
+                    + kv_head * stride_kh + dims[:, None],
+                    mask=k_ok[None, :] & dim_ok[:, None], other=0.0)          # [D, N]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kv_head * stride_vh + dims[None, :],
+                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)          # [N, D]
+        p_type = v.dtype
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing seen yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(p_type).to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    store_ok = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_begin + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=store_ok)
+    else:
+        part = ((q_begin + tok) * num_heads + head) * NUM_SPLITS + split      # [T, H, S] index
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                         stride_ot, stride_oh, num_heads,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Merge the split partials of one (token, head): rescale each by exp2(m_s - max m)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    base = (token * num_heads + head) * NUM_SPLITS
+    ok = splits < NUM_SPLITS
+    m = tl.load(part_max_ptr + base + splits, mask=ok, other=float("-inf"))
+    l = tl.load(part_sum_ptr + base + splits, mask=ok, other=0.0)
+    m_all = tl.max(m, 0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_all))
+    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                  mask=ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its numpy interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device,
+                      tile_n: int) -> int:
+    """Split the key range only when the grid would leave most SMs idle on long contexts."""
+    target = 2 * _num_sms(device)
+    if num_programs >= target or max_seq_len < 8 * tile_n:
+        return 1
+    splits = min(triton.cdiv(target, num_programs), triton.cdiv(max_seq_len, 4 * tile_n), 64)
+    return max(1, splits)
+
+
+def launch_config(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, elem_size: int,
+                  max_seq_len: int | None, device: torch.device, *, block_m: int | None = None,
+                  tile_n: int | None = None, num_splits: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_splits) for a launch; host ints only, no device sync.
+
+    Decode-only batches use the smallest row tile (16 rows: one token times its query-head group,
+    padded); batches with prefill chunks use 64 rows. Without `max_seq_len` there is no split.
+    """
+    group = heads // kv_heads
+    if block_m is None:
+        block_m = 16 if num_tokens == num_seqs or interpreting() else 64
+    block_m = max(block_m, triton.next_power_of_2(group), 16)
+    block_q = block_m // group
+    if tile_n is None:
+        tile_n = 32 if interpreting() or elem_size > 2 else 64
+    if num_splits is None:
+        grid = (triton.cdiv(num_tokens, block_q) + num_seqs) * kv_heads
+        num_splits = 1 if max_seq_len is None else choose_num_splits(grid, max_seq_len, device, tile_n)
+    return block_m, block_q, tile_n, num_splits
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, *,
+                    max_seq_len: int | None = None, sliding_window: int | None = None,
+                    num_splits: int | None = None, block_m: int | None = None,
+                    tile_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of `query [T, heads, head_dim]` over a paged cache `[blocks, block_size, kv_heads,
+    head_dim]`; same contract as `jupyter_pagedkv.attention.paged_attention_reference`.
+
+    `max_seq_len` (a host int) sizes the split-K decision without a device sync; `num_splits`,
+    `block_m` and `tile_n` override the heuristics (tests use them to reach every path).
+    """
+    num_tokens, heads, head_dim = query.shape
+    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
+    assert cache_dim == head_dim and heads % kv_heads == 0, "shape mismatch"
+    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    group = heads // kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())           # a device sync: callers pass it when known
+    block_m, block_q, tile_n, num_splits = launch_config(
+        num_tokens, num_seqs, heads, kv_heads, query.element_size(), max_seq_len, query.device,
+        block_m=block_m, tile_n=tile_n, num_splits=num_splits)
+    grid_q = triton.cdiv(num_tokens, block_q) + num_seqs
+    # fp32 inputs get exact fp32 products (TF32 would cost ~1e-3 relative error); 16-bit inputs
+    # multiply natively with fp32 accumulation.
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    use_window = sliding_window is not None and sliding_window < max_seq_len
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, heads, num_splits, head_dim, dtype=torch.float32,
+                               device=query.device)
+        part_max = torch.empty(num_tokens, heads, num_splits, dtype=torch.float32,
+                               device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out       # never touched
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    _paged_attention_kernel[(grid_q, kv_heads, num_splits)](
+        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        part_acc, part_max, part_sum,
+        scale * LOG2E, num_seqs, sliding_window if use_window else 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), heads,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, GROUP=group,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        USE_WINDOW=use_window, PRECISION=precision,
+        DOT_FP32=interpreting() and query.dtype == torch.bfloat16,
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, heads)](
+            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), heads,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
