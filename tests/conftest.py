@@ -48,7 +48,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool) 
     with attention(model, "sdpa"):
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None if stop_at_eos else [],
+                             do_sample=False,
+                             eos_token_id=model.config.eos_token_id if stop_at_eos else [],
                              pad_token_id=0, temperature=None, top_p=None, top_k=None)
     return out[0, len(prompt):].tolist()
 

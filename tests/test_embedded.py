@@ -1,0 +1,105 @@
+"""The embedded SmolLM2-135M-Instruct: exact greedy output, prefix caching, fast cached loading."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import assert_same_or_near_tie, hf_greedy
+from jupyter_pagedkv import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TOPICS = ["the moon", "bread", "a lighthouse", "tea", "rivers", "chess", "bees", "snow",
+          "volcanoes", "libraries", "trains", "owls", "glass", "maps", "clocks", "salt"]
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    prompts = []
+    for i, topic in enumerate(TOPICS[:n]):
+        detail = " Mention one surprising fact, and say why it matters." * (i % 4)
+        msgs = [{"role": "user", "content": f"Tell me about {topic} in one short paragraph.{detail}"}]
+        prompts.append(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+    return prompts
+
+
+def test_sixteen_mixed_prompts_match_hf_generate(embedded, make_engine):
+    model, tokenizer = embedded
+    prompts = chat_prompts(tokenizer, 16)
+    assert len({len(p) for p in prompts}) >= 4
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    engine = make_engine(model, tokenizer)
+    outs = engine.generate(prompts, params)
+    refs = [hf_greedy(model, p, 24, stop_at_eos=True) for p in prompts]
+    identical = [assert_same_or_near_tie(model, p, o.token_ids, r) for p, o, r in zip(prompts, outs, refs)]
+    assert sum(identical) >= 15
+
+
+def test_shared_200_token_prefix_is_served_from_cache(embedded, make_engine):
+    model, tokenizer = embedded
+    passage = ("The harbour town woke slowly. Fishing boats rocked against the pier while gulls "
+               "argued over scraps, and the baker opened his shutters to the smell of rain. ") * 6
+
+    def ask(question):
+        msgs = [{"role": "system", "content": passage}, {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+
+    a, b = ask("Who opened the shutters?"), ask("What were the gulls doing?")
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared >= 200
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    engine = make_engine(model, tokenizer)
+    first = engine.generate([a], params)[0]
+    hits_before = engine.stats().prefix_cache_hits
+    second = engine.generate([b], params)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= 192
+    assert engine.stats().prefix_cache_hits - hits_before == second.num_cached_tokens
+    assert_same_or_near_tie(model, b, second.token_ids, hf_greedy(model, b, 8, stop_at_eos=True))
+
+
+def test_evicted_prefix_is_recomputed_correctly(embedded, make_engine):
+    model, tokenizer = embedded
+    prompt = tokenizer("Once upon a time in a quiet valley, " * 8).input_ids
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    engine = make_engine(model, tokenizer, num_blocks=12)
+    before = engine.generate([prompt], params)[0].token_ids
+    evictions = engine.pool.num_evictions
+    # Another long prompt takes every block and evicts the cached prefix.
+    other = tokenizer("Rain fell on the old stone bridge. " * 30).input_ids[:11 * 16 - 3]
+    engine.generate([other], params)
+    assert engine.pool.num_evictions > evictions
+    again = engine.generate([prompt], params)[0]
+    assert again.num_cached_tokens < len(prompt) // 16 * 16
+    assert again.token_ids == before
+
+
+def test_second_load_in_a_new_process_is_fast(embedded):
+    # The session fixture has converted and cached the weights; a fresh process reads the cache.
+    code = textwrap.dedent("""
+        import time
+        t0 = time.perf_counter()
+        from jupyter_pagedkv import Engine
+        t1 = time.perf_counter()
+        engine = Engine.from_pretrained(None, kv_cache_memory="64MiB")
+        print(f"{t1 - t0:.2f} {time.perf_counter() - t1:.2f}")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import_s, load_s = map(float, out.stdout.split()[-2:])
+    assert load_s < 5.0, f"cached load took {load_s:.1f} s"
+
+
+def test_chat_applies_the_template_and_answers(embedded, make_engine):
+    model, tokenizer = embedded
+    engine = make_engine(model, tokenizer)
+    out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert "Paris" in out.text
+    assert out.prompt_token_ids[:3] == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True, return_dict=False)[:3]
