@@ -1,0 +1,26 @@
+"""Dispatch `python -m jupyter_pagedkv.bench NAME [options]` to one benchmark."""
+from __future__ import annotations
+
+import sys
+
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,kernels} [options]  (add --help after NAME)"
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name == "throughput":
+        from .throughput import main as run
+    elif name == "kernels":
+        from jupyter_pagedkv.kernels_bridge import kernel_module
+        run = kernel_module("bench").main
+    else:
+        print(f"unknown benchmark {name!r}. {USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
