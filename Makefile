@@ -7,6 +7,9 @@ TORCH := torch==2.13.0
 
 .PHONY: demo test bench setup clean
 
+# `make bench-peers`: vLLM's CPU build in its own venv, for the throughput benchmark.
+include mk/peers.mk
+
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

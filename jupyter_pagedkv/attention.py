@@ -169,13 +169,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     q = query[0].transpose(0, 1)                    # [T, heads, d]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if meta.backend == "triton":
-        from .kernels_bridge import paged_attention_triton
+        from .kernels_bridge import paged_attention_triton, write_kv_triton
+        write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
     else:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v)
     return out.unsqueeze(0), None
 

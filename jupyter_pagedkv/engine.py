@@ -99,11 +99,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache = KVCache(self.spec, num_blocks, block_size, self.device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens)
-        backend = attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        from .kernels_bridge import resolve_backend
+        backend = resolve_backend(self.device, None if attention_backend == "auto" else attention_backend)
         self.runner = ModelRunner(model, self.kv_cache, self.device, backend)
         self.sampler = Sampler(seed)
         self.eos_token_ids = self._eos_ids()
