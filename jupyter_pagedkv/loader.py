@@ -101,15 +101,18 @@ def load_model(model: str | os.PathLike | None, dtype, device) -> LoadedModel:
             path = name
         else:
             raise ModelNotFoundError(f"no model folder at {name}: check the path")
+    # No hub at run time: ids resolve from the local Hugging Face cache unless downloads are allowed.
+    local_only = os.environ.get("JUPYTER_PAGEDKV_ALLOW_DOWNLOAD") != "1"
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                        local_files_only=local_only).to(device)
     except OSError as err:
         raise ModelNotFoundError(
             f"cannot load model {name!r}: not a local folder and not in the local Hugging Face cache "
             f"(no hub access at run time); pass a local folder, or nothing for the embedded "
             f"{EMBEDDED_NAME}") from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
     except (OSError, ValueError):
         tokenizer = None
     hf_model.eval()
