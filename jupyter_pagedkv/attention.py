@@ -88,7 +88,8 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mask = meta.decode_mask
         if sliding_window is not None:
             lens = meta.seq_lens[:nd].to(torch.int64).view(nd, 1, 1, 1)
-            mask = mask & (torch.arange(length).view(1, 1, 1, -1) > lens - 1 - sliding_window)
+            mask = mask & (torch.arange(length, device=query.device).view(1, 1, 1, -1)
+                           > lens - 1 - sliding_window)
         q = query[:nd].unsqueeze(2)                           # [nd, heads, 1, d]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:nd] = o.squeeze(2)
@@ -109,10 +110,10 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             ctx = chunk.ctx_len
             k = k_cache[chunk.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
             v = v_cache[chunk.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
-            mask = chunk.mask if chunk.mask is not None else _causal_mask(ctx - n, n, ctx)
+            mask = chunk.mask if chunk.mask is not None else _causal_mask(ctx - n, n, ctx).to(query.device)
             if sliding_window is not None:
-                qpos = torch.arange(ctx - n, ctx).view(-1, 1)
-                mask = mask & (torch.arange(ctx).view(1, -1) > qpos - sliding_window)
+                qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
+                mask = mask & (torch.arange(ctx, device=query.device).view(1, -1) > qpos - sliding_window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[s:s + n] = o[0].transpose(0, 1)
     return out

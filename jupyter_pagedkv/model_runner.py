@@ -55,7 +55,8 @@ class ModelRunner:
             mask = None
             if c.start > 0:
                 mask = torch.arange(end).view(1, -1) <= pos.view(-1, 1)
-            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids, mask))
+            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device),
+                                             None if mask is None else mask.to(self.device)))
             q_loc.append(q_loc[-1] + c.num_tokens)
             seq_lens.append(end)
             tables.append(table.block_ids)
@@ -82,7 +83,7 @@ class ModelRunner:
             dec_blocks = max(len(t) for t in tables[:nd])
             meta.decode_block_tables = padded[:nd, :dec_blocks].long().to(self.device)
             lens = torch.tensor(seq_lens[:nd]).view(nd, 1)
-            meta.decode_mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)
+            meta.decode_mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1).to(self.device)
         sample_rows = [q_loc[i + 1] - 1 for i, c in enumerate(ordered) if c.samples]
         inputs = {
             "input_ids": torch.tensor([ids], device=self.device),

@@ -5,13 +5,13 @@ import contextlib
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import pytest  # noqa: E402
+import torch  # noqa: E402  (importing torch does not import triton)
+
 # Without CUDA the Triton kernels run in Triton's interpreter; the switch must be set before
 # anything imports triton, so it is set for the whole session (nothing else uses Triton on a CPU).
-if os.environ.get("PAGEDKV_KERNEL_TEST_DEVICE", "cpu") == "cpu":
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 def tiny_model(arch: str, vocab: int = 256, seed: int = 0):

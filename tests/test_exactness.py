@@ -9,6 +9,23 @@ from jupyter_pagedkv import SamplingParams
 
 ARCHS = ["llama", "qwen3", "mistral", "phi3"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+# Where a GPU exists the engine runs there too, on both attention backends (kernels/gpu_check.sh).
+BACKENDS = [("cpu", "torch")] + ([("cuda", "triton"), ("cuda", "torch")] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: f"{b[0]}-{b[1]}")
+def backend(request):
+    return request.param
+
+
+def engine_on(make_engine, model, backend, **kwargs):
+    """An engine over `model` moved to the backend's device (the CPU copy stays the oracle)."""
+    import copy
+
+    device, attention = backend
+    if device != "cpu":
+        model = copy.deepcopy(model).to(device)
+    return make_engine(model, attention_backend=attention, **kwargs)
 
 
 def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 60) -> list[list[int]]:
@@ -31,23 +48,23 @@ def check(model, prompts, refs, outputs):
     assert sum(identical) >= len(identical) - 1
 
 
-def test_batch_of_8_is_token_identical_to_hf_generate(arch_case, make_engine):
+def test_batch_of_8_is_token_identical_to_hf_generate(arch_case, make_engine, backend):
     _, model, prompts, refs = arch_case
-    engine = make_engine(model, block_size=16)
+    engine = engine_on(make_engine, model, backend, block_size=16)
     check(model, prompts, refs, engine.generate(prompts, GREEDY))
 
 
-def test_identical_under_preemption(arch_case, make_engine):
+def test_identical_under_preemption(arch_case, make_engine, backend):
     _, model, prompts, refs = arch_case
     # 24 blocks of 4 slots cannot hold 8 sequences of up to ~90 tokens: recompute preemption.
-    engine = make_engine(model, block_size=4, num_blocks=24)
+    engine = engine_on(make_engine, model, backend, block_size=4, num_blocks=24)
     check(model, prompts, refs, engine.generate(prompts, GREEDY))
     assert engine.stats().num_preemptions > 0
 
 
-def test_identical_with_chunked_prefill(arch_case, make_engine):
+def test_identical_with_chunked_prefill(arch_case, make_engine, backend):
     _, model, prompts, refs = arch_case
-    engine = make_engine(model, block_size=8, max_num_batched_tokens=13)
+    engine = engine_on(make_engine, model, backend, block_size=8, max_num_batched_tokens=13)
     assert max(len(p) for p in prompts) > 13
     check(model, prompts, refs, engine.generate(prompts, GREEDY))
 
