@@ -158,8 +158,6 @@ class Engine:
         params.validate()
         text, ids = self._tokenize(prompt)
         self._check_fits(ids, params)
-        if params.n != 1:
-            raise ValueError("n > 1 (parallel sampling) is not available yet: use n=1")
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
@@ -229,7 +227,6 @@ class Engine:
                 return []
             try:
                 sampling, logits = self.runner.execute(sched.chunks, sched.copies)
-                tokens = self.sampler(logits, [c.seq for c in sampling])
             except BaseException as err:
                 self._fail_all(err)
                 raise
@@ -243,8 +240,20 @@ class Engine:
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = t0
                 touched[req.request_id] = req
-            for c, token in zip(sampling, tokens):
-                self._append_token(c.seq, token, now)
+            # A request with n > 1 forks its prefilled sequence at the first sample: the n
+            # samples share the prompt's blocks and draw from the same logits row.
+            rows, seqs = [], []
+            for i, c in enumerate(sampling):
+                for seq in self._fork_samples(c.seq):
+                    rows.append(i)
+                    seqs.append(seq)
+            try:
+                tokens = self.sampler(logits[rows] if len(rows) != len(sampling) else logits, seqs)
+            except BaseException as err:
+                self._fail_all(err)
+                raise
+            for seq, token in zip(seqs, tokens):
+                self._append_token(seq, token, now)
             outputs = []
             for req in touched.values():
                 if req.finished:
@@ -259,6 +268,26 @@ class Engine:
             self.forward_time_s += self.runner.last_forward_s
             self.step_time_s += time.perf_counter() - t0
             return outputs
+
+    def _fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """`[seq]`, or for the first sample of an n > 1 request, seq plus n - 1 forks of it."""
+        req = self._requests[seq.request_id]
+        n = seq.params.n
+        if n == 1 or len(req.seqs) > 1 or seq.num_output_tokens:
+            return [seq]
+        for i in range(1, n):
+            child = Sequence(seq.request_id, list(seq.token_ids), seq.prompt_len, seq.params,
+                             seq.block_table.fork(), seq.arrival_time, seq.priority,
+                             num_computed_tokens=seq.num_computed_tokens,
+                             status=SequenceStatus.RUNNING, num_cached_tokens=seq.num_cached_tokens,
+                             block_hashes=list(seq.block_hashes), extra_key=seq.extra_key)
+            child.sample_index = i
+            if seq.params.seed is not None:
+                # Sample i of seed s is reproducible on its own, whatever else runs.
+                child.generator = torch.Generator().manual_seed(hash((seq.params.seed, i)) & (2**63 - 1))
+            self.scheduler.running.append(child)
+            req.seqs.append(child)
+        return list(req.seqs)
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)

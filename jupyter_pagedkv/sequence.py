@@ -46,6 +46,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     text: str = ""
     extra_key: object = None
+    sample_index: int = 0   # which of a request's n samples this is
 
     @property
     def num_tokens(self) -> int:

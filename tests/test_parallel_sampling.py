@@ -1,0 +1,56 @@
+"""SamplingParams(n=N): the prompt is prefilled once and its blocks are shared by N samples."""
+from __future__ import annotations
+
+from conftest import tiny_model
+from jupyter_pagedkv import SamplingParams
+
+MODEL = tiny_model("llama", seed=6)
+PROMPT = list(range(3, 30))          # 27 tokens: 6 full blocks of 4 and a shared partial one
+
+
+def test_n_greedy_samples_equal_each_other_and_n_equal_1(make_engine):
+    engine = make_engine(MODEL, block_size=4)
+    one = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    four = engine.generate([PROMPT], SamplingParams(n=4, max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert len(four.outputs) == 4
+    assert all(o.token_ids == one.token_ids for o in four.outputs)
+    assert [o.index for o in four.outputs] == [0, 1, 2, 3]
+
+
+def test_samples_share_the_prompt_blocks_and_copy_the_partial_one_on_write(make_engine):
+    engine = make_engine(MODEL, block_size=4, enable_prefix_caching=False)
+    rid = engine.add_request(PROMPT, SamplingParams(n=4, max_tokens=8, temperature=0.8, seed=3,
+                                                    ignore_eos=True))
+    engine.step()                                  # prefill + fork + first sampled tokens
+    stats = engine.stats()
+    assert stats.num_shared == 7                   # all 7 prompt blocks are held by 4 tables
+    engine.check_invariants()
+    engine.step()                                  # each sample writes its token: copy-on-write
+    stats = engine.stats()
+    assert stats.num_shared == 6                   # the full blocks stay shared
+    assert stats.num_used == 6 + 4                 # one private copy of the last block per sample
+    engine.check_invariants()
+    engine.abort(rid)
+    assert engine.stats().num_used == 0
+
+
+def test_seeded_samples_reproduce_across_runs_and_batch_compositions(make_engine):
+    engine = make_engine(MODEL)
+    params = SamplingParams(n=4, max_tokens=16, temperature=1.0, seed=42, ignore_eos=True)
+    alone = [o.token_ids for o in engine.generate([PROMPT], params)[0].outputs]
+    assert len({tuple(t) for t in alone}) > 1      # different samples, not four copies
+    other = SamplingParams(max_tokens=10, temperature=0.7, ignore_eos=True)
+    crowd = engine.generate([[7, 8, 9], PROMPT, [10] * 20], [other, params, other])
+    assert [o.token_ids for o in crowd[1].outputs] == alone
+    single = engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=1.0, seed=42,
+                                                      ignore_eos=True))[0]
+    assert single.token_ids == alone[0]            # sample 0 of seed s is the n=1 run of seed s
+
+
+def test_parallel_samples_survive_preemption(make_engine):
+    engine = make_engine(MODEL, block_size=4, num_blocks=14)
+    ref = make_engine(MODEL, block_size=4).generate(
+        [PROMPT], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].token_ids
+    out = engine.generate([PROMPT], SamplingParams(n=3, max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert engine.stats().num_preemptions > 0
+    assert all(o.token_ids == ref for o in out.outputs)
