@@ -100,7 +100,11 @@ class ModelRunner:
         if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             # Someone (a test, a peer benchmark) switched the model back to another attention.
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.kv_cache.copy_blocks(copies)
+        if copies and self.backend == "triton":
+            from .kernels_bridge import copy_blocks_triton
+            copy_blocks_triton(self.kv_cache.k, self.kv_cache.v, copies)
+        else:
+            self.kv_cache.copy_blocks(copies)
         ordered, inputs = self.prepare(chunks)
         t0 = time.perf_counter()
         out = self.model(**inputs, use_cache=False)

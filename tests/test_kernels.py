@@ -277,8 +277,9 @@ def test_benchmark_smoke_run_prints_every_column():
 
 
 def test_engine_on_the_triton_backend_generates_what_the_torch_backend_does(kernels):
-    """End to end: mixed prefill (chunked) + decode steps, prefix hits and preemption, every
-    attention call and KV write going through the kernels (interpreted on the CPU)."""
+    """End to end: mixed prefill (chunked) + decode steps, prefix hits, preemption and a forked
+    request, every attention call, KV write and block copy going through the kernels
+    (interpreted on the CPU)."""
     from conftest import tiny_model
     from jupyter_pagedkv import Engine, SamplingParams
 
@@ -286,11 +287,13 @@ def test_engine_on_the_triton_backend_generates_what_the_torch_backend_does(kern
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32],
                [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40, 41]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    forked = SamplingParams(n=2, max_tokens=6, temperature=0.0, ignore_eos=True)   # copy-on-write
     outs = {}
     for backend in ("torch", "triton"):
         engine = Engine(model, None, block_size=4, num_blocks=10, max_num_batched_tokens=12,
                         attention_backend=backend)
-        outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+        outs[backend] = [[c.token_ids for c in o.outputs]
+                         for o in engine.generate(prompts, [params, forked, params])]
         engine.check_invariants()
         assert engine.runner.backend == backend
     assert outs["triton"] == outs["torch"]
