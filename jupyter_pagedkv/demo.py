@@ -33,16 +33,34 @@ def main(argv: list[str] | None = None) -> int:
           f"{engine.kv_cache.nbytes / 2**20:.0f} MiB of KV ({engine.spec.bytes_per_token} bytes/token)")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     t1 = time.perf_counter()
-    outputs = engine.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
+    ids = [engine.add_request(engine.apply_chat_template([{"role": "user", "content": q}]), params)
+           for q in QUESTIONS]
+    done, peak = {}, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        stats = engine.stats()
+        if peak is None or stats.num_used > peak.num_used:
+            peak = stats   # the fullest moment of the pool, to show paging's waste
     elapsed = time.perf_counter() - t1
+    outputs = [done[i] for i in ids]
     generated = sum(len(o.token_ids) for o in outputs)
     for q, o in zip(QUESTIONS, outputs):
         print(f"\n### {q}\n{o.text.strip()}")
         print(f"   [{len(o.prompt_token_ids)} prompt tokens, {o.num_cached_tokens} cached, "
               f"{len(o.token_ids)} generated, finish: {o.finish_reason}, TTFT {o.metrics.ttft * 1e3:.0f} ms]")
-    stats = engine.stats()
+    live = peak.num_running + peak.num_waiting
+    print(f"\n== block pool at its fullest ({live} live sequences) ==")
+    print(f"{peak.num_used} blocks used, {peak.tokens_stored} tokens stored in "
+          f"{peak.slots_allocated} slots: waste {peak.internal_waste} slots = "
+          f"{peak.internal_waste / max(live, 1):.1f} per sequence (< block_size {engine.block_size})")
+    reserved = sum(len(o.prompt_token_ids) + params.max_tokens for o in outputs)
+    filled = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)
+    print(f"a contiguous reservation of prompt + max_tokens per request would hold {reserved} slots "
+          f"for these requests; they ever filled {filled} ({filled / reserved:.0%})")
     print("\n== block pool after the run ==")
-    print(stats.summary())
+    print(engine.stats().summary())
     print(f"run: {generated} tokens in {elapsed:.1f} s = {generated / elapsed:.1f} tokens/s "
           f"({len(QUESTIONS)} requests at once)")
     engine.check_invariants()

@@ -131,7 +131,7 @@ class EngineStats:
             f"({self.prefix_hit_rate:.1%})",
             f"requests: {self.num_running} running, {self.num_waiting} waiting, "
             f"{self.num_finished} finished, {self.num_preemptions} preemptions",
-            f"throughput: {self.tokens_per_s:.1f} generated tokens/s",
+            f"recent throughput: {self.tokens_per_s:.1f} generated tokens/s (last 10 s of steps)",
         ]
         ttft = self.latency_percentiles.get("ttft")
         if ttft:
