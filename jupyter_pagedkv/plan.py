@@ -1,0 +1,145 @@
+"""Capacity planner: how much KV cache a model gets on a GPU, and how many requests fit.
+
+KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element; grouped-query
+attention shrinks it by heads / kv_heads (Llama-3-70B in fp16: 320 KiB per token, not the
+2.6 MB one gets by counting all 64 query heads).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The config numbers that decide memory (from each model's config.json)."""
+
+    name: str
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    @classmethod
+    def from_config(cls, config, name: str | None = None, num_params: float | None = None) -> ModelShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        return cls(name or getattr(text, "_name_or_path", "model"), num_params or 0.0,
+                   text.num_hidden_layers, text.hidden_size, heads,
+                   getattr(text, "num_key_value_heads", None) or heads,
+                   getattr(text, "head_dim", None) or text.hidden_size // heads,
+                   getattr(text, "max_position_embeddings", 4096))
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bandwidth: float       # bytes/s of HBM
+    flops: float           # dense bf16 FLOP/s
+
+
+MODELS = {m.name: m for m in [
+    ModelShape("Llama-3-8B", 8.03e9, 32, 4096, 32, 8, 128, 8192),
+    ModelShape("Llama-3-70B", 70.6e9, 80, 8192, 64, 8, 128, 8192),
+    ModelShape("Qwen2.5-7B", 7.62e9, 28, 3584, 28, 4, 128, 32768),
+    ModelShape("SmolLM2-135M", 134.5e6, 30, 576, 9, 3, 64, 8192),
+]}
+
+GPUS = {g.name: g for g in [
+    GPU("A100-40GB", 40 * GiB, 1.555e12, 312e12),
+    GPU("A100-80GB", 80 * GiB, 2.039e12, 312e12),
+    GPU("H100-80GB", 80 * GiB, 3.35e12, 989e12),
+    GPU("H200", 141 * 10**9, 4.8e12, 989e12),
+]}
+
+
+@dataclass
+class Plan:
+    model: ModelShape
+    gpu: GPU
+    num_gpus: int
+    weight_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    context_len: int
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_budget_bytes > 0
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens that fit in the budget, in whole blocks."""
+        blocks = max(0, self.kv_budget_bytes) // (self.kv_bytes_per_token * self.block_size)
+        return blocks * self.block_size
+
+    @property
+    def paged_concurrency(self) -> int:
+        """Requests of `context_len` tokens held at once with paging (waste < 1 block each)."""
+        per_request = math.ceil(self.context_len / self.block_size) * self.block_size
+        return self.tokens // per_request
+
+    @property
+    def contiguous_concurrency(self) -> int:
+        """Requests held at once when each reserves the model's whole context up front."""
+        return self.tokens // self.model.max_context
+
+    def summary(self) -> str:
+        m, g = self.model, self.gpu
+        head = f"{m.name} on {self.num_gpus} x {g.name}"
+        if not self.fits:
+            need = math.ceil(self.weight_bytes / (g.memory_bytes * 0.9))
+            return (f"{head}: does not fit: weights take {self.weight_bytes / GiB:.1f} GiB of "
+                    f"{self.num_gpus * g.memory_bytes * 0.9 / GiB:.1f} GiB usable; use >= {need} GPUs "
+                    f"(tensor parallel) or smaller weights (--weight-bytes 1 for 8-bit)")
+        return "\n".join([
+            f"{head}: weights {self.weight_bytes / GiB:.1f} GiB, KV budget {self.kv_budget_bytes / GiB:.1f} GiB",
+            f"KV per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} x bytes "
+            f"= {self.kv_bytes_per_token:,} bytes ({self.kv_bytes_per_token / 1024:.0f} KiB)",
+            f"tokens that fit: {self.tokens:,} ({self.tokens // self.block_size:,} blocks of {self.block_size})",
+            f"concurrent requests at {self.context_len:,} tokens: paged {self.paged_concurrency:,}, "
+            f"contiguous (reserving {m.max_context:,} each) {self.contiguous_concurrency:,}",
+        ])
+
+
+def plan(model: str | ModelShape, gpu: str | GPU = "H100-80GB", num_gpus: int = 1,
+         context_len: int = 2048, block_size: int = 16, weight_bytes: float = 2, kv_bytes: int = 2,
+         gpu_memory_utilization: float = 0.9, activation_reserve: float = 0.05) -> Plan:
+    """Memory plan for `model` on `num_gpus` x `gpu` (weights and KV split evenly by tensor parallel)."""
+    m = MODELS[model] if isinstance(model, str) else model
+    if isinstance(gpu, str):
+        if gpu not in GPUS:
+            raise ValueError(f"unknown GPU {gpu!r}: choose one of {', '.join(GPUS)}")
+        gpu = GPUS[gpu]
+    total = num_gpus * gpu.memory_bytes
+    weights = int(m.num_params * weight_bytes)
+    budget = int(total * (gpu_memory_utilization - activation_reserve)) - weights
+    return Plan(m, gpu, num_gpus, weights, budget, m.kv_bytes_per_token(kv_bytes), block_size, context_len)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.plan", description=__doc__)
+    ap.add_argument("model", choices=sorted(MODELS))
+    ap.add_argument("--gpu", default="H100-80GB", choices=sorted(GPUS))
+    ap.add_argument("--num-gpus", type=int, default=1)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--weight-bytes", type=float, default=2, help="bytes per weight (2 = bf16, 1 = 8-bit)")
+    args = ap.parse_args(argv)
+    print(plan(args.model, args.gpu, args.num_gpus, args.context, args.block_size, args.weight_bytes).summary())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
