@@ -143,7 +143,9 @@ class Scheduler:
         # Hit blocks that sit in the free queue stop being free once we take them.
         reclaimed = sum(1 for b in hits if b.ref_count == 0)
         needed = -(-(start + n) // bs) - len(hits)
-        if needed + reclaimed > pool.num_free - self.watermark_blocks:
+        # The watermark keeps headroom for running sequences; with none running it protects nothing.
+        watermark = self.watermark_blocks if self.running else 0
+        if needed + reclaimed > pool.num_free - watermark:
             return None
         if pool.enable_prefix_caching and seq.num_computed_tokens == 0:
             pool.prefix_cache_queries += (seq.num_tokens - 1) // bs * bs

@@ -66,3 +66,13 @@ def test_unknown_model_is_one_line(tmp_path):
 def test_kv_memory_too_small_for_one_block_is_refused():
     with pytest.raises(ValueError, match="holds no block"):
         Engine(MODEL, None, kv_cache_memory="1KiB")
+
+
+def test_a_request_that_needs_the_whole_pool_still_runs():
+    from jupyter_pagedkv import Engine
+
+    engine = Engine(MODEL, None, block_size=4, num_blocks=200, max_model_len=1000)   # watermark: 2 blocks
+    out = engine.generate([[3 + i % 250 for i in range(199 * 4)]], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    engine.check_invariants()
