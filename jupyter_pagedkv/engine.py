@@ -155,8 +155,12 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue one request; returns its id. Bad input raises ValueError before anything is queued."""
+                    request_id: str | None = None, priority: int = 0,
+                    listener: queue.SimpleQueue | None = None) -> str:
+        """Queue one request; returns its id. Bad input raises ValueError before anything is queued.
+
+        `listener` receives the request's StreamDeltas from its first token on; attaching it here,
+        under the lock, means a background step can never run before it is in place."""
         params = params or SamplingParams()
         params.validate()
         text, ids = self._tokenize(prompt)
@@ -172,6 +176,8 @@ class Engine:
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed)
             req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now))
+            if listener is not None:
+                req.listeners.append(listener)
             self._requests[rid] = req
             self.scheduler.add(seq)
             self._work.notify_all()
@@ -215,6 +221,11 @@ class Engine:
                     self.scheduler.finish(seq, "abort")
             self._finish_request(req, now)
             return True
+
+    def live_requests(self) -> list[Request]:
+        """The unfinished requests, oldest first (a snapshot, for tables and monitors)."""
+        with self._lock:
+            return list(self._requests.values())
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
