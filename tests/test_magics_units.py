@@ -1,0 +1,115 @@
+"""The magics' pure parts, without a model: prompt splitting, interpolation, renderers, the comm."""
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+from jupyter_pagedkv.magics import block_map, interpolate, split_prompts
+from jupyter_pagedkv.monitor_channel import TARGET, handle_message, open_comm, register
+from jupyter_pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jupyter_pagedkv.session import KernelSession
+from jupyter_pagedkv.streaming import DisplayRenderer, Panel, PrintRenderer, footer
+
+
+def output(text: str, n: int = 3) -> RequestOutput:
+    m = RequestMetrics(arrival_time=0.0, first_token_time=0.25, finish_time=0.45, num_generated_tokens=n)
+    return RequestOutput("req-1", None, list(range(40)), [CompletionOutput(0, text, list(range(n)), "length")],
+                         True, 32, m)
+
+
+def test_dash_lines_separate_prompts():
+    assert split_prompts("a\n---\nb\n  ---  \nc --- d") == ["a", "b", "c --- d"]
+
+
+def test_an_empty_prompt_between_separators_is_a_usage_error():
+    with pytest.raises(UsageError, match="empty prompt next to a `---`"):
+        split_prompts("a\n---\n---\nb")
+    with pytest.raises(UsageError, match="the cell is empty"):
+        split_prompts("  \n")
+
+
+def test_interpolation_reads_names_and_attributes_and_leaves_other_braces():
+    class Box:
+        size = 3
+    ns = {"x": "cats", "box": Box()}
+    assert interpolate('{x} {box.size} {{x}} {"k": 1} {1}', ns) == 'cats 3 {x} {"k": 1} {1}'
+    with pytest.raises(UsageError, match="box.width does not exist"):
+        interpolate("{box.width}", ns)
+
+
+def test_footer_states_tokens_cache_ttft_and_speed():
+    assert footer(output("hi")) == ("[3 tokens generated · 32/40 prompt tokens cached · TTFT 250 ms · "
+                                    "10.0 tok/s · length]")
+
+
+def test_terminal_renderer_prints_panels_in_order_as_they_complete():
+    written: list[str] = []
+    r = PrintRenderer(written.append)
+    a, b = Panel("r1", "[1] a"), Panel("r2", "[2] b")
+    b.text = "world"                       # the second prompt runs ahead, but prints after the first
+    a.text = "hel"
+    r.update([a, b], final=False)
+    a.text, a.output = "hello", output("hello")
+    r.update([a, b], final=False)
+    b.output = output("world")
+    r.update([a, b], final=True)
+    text = "".join(written)
+    assert text.index("── [1] a ──\nhel") < text.index("lo\n[3 tokens") < text.index("── [2] b ──\nworld")
+    assert text.count("tokens generated") == 2
+
+
+def test_notebook_renderer_displays_once_then_updates_in_place():
+    calls = []
+
+    class Handle:
+        def update(self, data, raw):
+            calls.append(("update", data))
+
+    def display(data, raw, display_id):
+        calls.append(("display", data))
+        return Handle()
+
+    r = DisplayRenderer(display)
+    p = Panel("r1", "[1] a", "x")
+    r.update([p], final=False)
+    p.text, p.output = "xy", output("xy")
+    r.update([p], final=True)
+    assert [c[0] for c in calls] == ["display", "update"]
+    assert calls[-1][1]["text/plain"].startswith("xy\n[3 tokens generated")
+    assert "▌" in calls[0][1]["text/html"] and "▌" not in calls[-1][1]["text/html"]
+
+
+def test_block_map_draws_one_character_per_block():
+    text = block_map({"states": ["free", "cached", "used", "shared"] * 20}, width=64)
+    first, second = text.splitlines()[:2]
+    assert first == ".cus" * 16 and second == ".cus" * 4
+
+
+def test_monitor_answers_snapshot_and_rejects_other_requests():
+    session = KernelSession()
+    assert handle_message({"request": "snapshot"}, session) == {"response": "snapshot", "loaded": False}
+    assert handle_message({"request": "reboot"}, session)["response"] == "error"
+
+
+def test_monitor_comm_sends_an_answer_per_message():
+    sent = []
+
+    class Comm:
+        def on_msg(self, f):
+            self.handler = f
+            return f
+
+        def send(self, data):
+            sent.append(data)
+
+    comm = Comm()
+    open_comm(comm, {}, get_session=KernelSession)
+    comm.handler({"content": {"data": {"request": "snapshot"}}})
+    assert sent == [{"response": "snapshot", "loaded": False}]
+
+
+def test_the_comm_target_is_registered_only_inside_a_kernel():
+    class Shell:
+        kernel = None
+    assert register(Shell()) is False
+    assert TARGET == "jupyter_pagedkv.monitor"
