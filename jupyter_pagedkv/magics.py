@@ -6,13 +6,14 @@ show them all. A user mistake is one UsageError line that says what to do, never
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from typing import Any, Callable, Sequence
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from .session import NO_ENGINE, KernelSession, current, format_bytes
 from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
@@ -67,6 +68,16 @@ def split_prompts(cell: str) -> list[str]:
     if not all(parts):
         raise UsageError("an empty prompt next to a `---` line: remove the extra separator")
     return parts
+
+
+def parse_line(magic: Callable, line: str):
+    """Parse a magic's options with shell quoting (`--system "Be brief."` loses its quotes, unlike
+    IPython's own splitter); every mistake is one UsageError line."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as err:
+        raise UsageError(f"cannot read the options: {err} (check the quotes)") from None
+    return magic.parser.parse_args(argv)
 
 
 def _unescape(s: str) -> str:
@@ -126,18 +137,15 @@ class PagedKVMagics(Magics):
         words = line.split(None, 1)
         if words and words[0] == "bench":
             return self._bench(words[1] if len(words) > 1 else "")
-        args = parse_argstring(self.pagedkv, line)
+        args = parse_line(self.pagedkv, line)
         if args.command != "load":
+            parser = self.pagedkv.parser
             given = [f"--{o.replace('_', '-')}" for o in LOAD_OPTIONS
-                     if getattr(args, o) != self._load_default(o)]
+                     if getattr(args, o) != parser.get_default(o)]
             if given or args.model is not None:
                 what = ", ".join(given) or repr(args.model)
                 raise UsageError(f"{what} only applies to `%pagedkv load`")
         getattr(self, "_" + args.command.replace("-", "_"))(args)
-
-    def _load_default(self, option: str) -> Any:
-        action = next(a for a in self.pagedkv.parser._actions if a.dest == option)
-        return action.default
 
     def _help(self, args) -> None:
         print(HELP)
@@ -149,10 +157,12 @@ class PagedKVMagics(Magics):
                       num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
                       max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                       preemption_mode=args.preemption, allocator=args.allocator)
+        replaced = self.session.engine is not None
         try:
             self.session.load(args.model, **kwargs)
         except (ValueError, RuntimeError) as err:   # unknown model, bad dtype, a pool too small...
-            raise UsageError(f"cannot load: {err}") from None
+            note = " (the previous model was unloaded first)" if replaced else ""
+            raise UsageError(f"cannot load: {err}{note}") from None
         print(f"loaded {self.session.summary_line()} [{self.session.load_seconds:.1f} s]")
 
     def _unload(self, args) -> None:
@@ -165,7 +175,7 @@ class PagedKVMagics(Magics):
         before, after = self.session.unload()
         base = self.session.rss_before_load
         print(f"unloaded {name}: process memory {format_bytes(before)} → {format_bytes(after)} "
-              f"({format_bytes(base)} before the first load)")
+              f"({format_bytes(base)} with torch imported, before the first model was loaded)")
 
     def _status(self, args) -> None:
         s = self.session
@@ -193,7 +203,6 @@ class PagedKVMagics(Magics):
 
     def _bench(self, rest: str) -> None:
         """Benchmarks load their own engines, so they run in a subprocess with their output here."""
-        import shlex
         cmd = [sys.executable, "-m", "jupyter_pagedkv.bench", *shlex.split(rest)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -219,7 +228,7 @@ class PagedKVMagics(Magics):
     @cell_magic
     def generate(self, line: str, cell: str) -> None:
         """Generate from the cell's text (several prompts, separated by `---` lines, run concurrently)."""
-        args = parse_argstring(self.generate, line)
+        args = parse_line(self.generate, line)
         engine = self.session.require_engine()
         if args.beams is not None:
             raise UsageError("--beams (beam search) is not available yet: drop it, or use --n 1 sampling")
@@ -262,7 +271,7 @@ class PagedKVMagics(Magics):
         """One turn of a multi-turn chat; the earlier turns are a cached prefix of this turn's prompt.
 
         As a line magic, `%chat SESSION --reset` only forgets the session."""
-        args = parse_argstring(self.chat, line)
+        args = parse_line(self.chat, line)
         name = args.session
         if not _SESSION_NAME.match(name):
             raise UsageError(f"session name {name!r}: use letters, digits, '_', '-' or '.'")
@@ -430,13 +439,16 @@ def requests_table(session: KernelSession, engine) -> str:
     return "\n".join(lines)
 
 
-def block_map(snapshot: dict, width: int = 64, limit: int = 1024) -> str:
-    """The pool as text: one character per block, `width` per line."""
+def block_map(snapshot: dict, width: int = 64, max_chars: int = 512) -> str:
+    """The pool as text, `width` characters per line: one per block, or per group of blocks when
+    the pool is larger than `max_chars` (a group shows its busiest state: shared > used > cached)."""
     symbol = {"free": ".", "cached": "c", "used": "u", "shared": "s"}
+    rank = {"free": 0, "cached": 1, "used": 2, "shared": 3}
     states = snapshot["states"]
-    chars = "".join(symbol[s] for s in states[:limit])
+    group = max(1, -(-len(states) // max_chars))
+    chars = "".join(symbol[max(states[i:i + group], key=rank.__getitem__)]
+                    for i in range(0, len(states), group))
     lines = [chars[i:i + width] for i in range(0, len(chars), width)]
-    if len(states) > limit:
-        lines.append(f"… {len(states) - limit} more blocks")
-    lines.append("legend: . free  c cached (reusable prefix)  u used  s shared")
+    scale = "one character per block" if group == 1 else f"one character per {group} blocks"
+    lines.append(f"legend ({scale}): . free  c cached (reusable prefix)  u used  s shared")
     return "\n".join(lines)

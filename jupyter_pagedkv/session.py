@@ -111,7 +111,7 @@ class KernelSession:
     chats: dict[str, ChatSession] = field(default_factory=dict)
     jobs: list[BackgroundJob] = field(default_factory=list)
     origins: dict[str, str] = field(default_factory=dict)   # request id -> "generate", "chat NAME", ...
-    rss_before_load: int = 0
+    rss_before_load: int = 0      # RSS after importing torch + transformers, before any weights
     load_seconds: float = 0.0
 
     def require_engine(self) -> Engine:
@@ -123,8 +123,6 @@ class KernelSession:
         """Replace the engine: unload the old one first (its memory back), then load and start."""
         if self.engine is not None:
             self.unload()
-        else:
-            self.rss_before_load = rss_bytes()
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
@@ -133,6 +131,8 @@ class KernelSession:
         try:
             import torch  # noqa: F401  (the slow imports, shown as their own stage)
             import transformers  # noqa: F401
+            if not self.rss_before_load:
+                self.rss_before_load = rss_bytes()   # the level `unload` should return to
             bar.update()
             bar.set_description(f"loading {model or 'SmolLM2-135M-Instruct'} + allocating the KV cache")
             from .engine import Engine

@@ -112,7 +112,7 @@ def test_status_monitor_and_requests_show_the_pool(ip, capsys):
     status = capsys.readouterr().out
     assert "blocks:" in status and "prefix cache:" in status and "engine thread: running" in status
     run(ip, "%pagedkv monitor")
-    assert "legend: . free  c cached" in capsys.readouterr().out
+    assert "legend (one character per block): . free  c cached" in capsys.readouterr().out
     run(ip, "%pagedkv requests")
     table = capsys.readouterr().out
     rid = ip.user_ns["o"].request_id
@@ -191,7 +191,8 @@ def test_an_undefined_variable_is_a_usage_error(ip):
 def test_system_and_raw_and_stop(ip):
     run(ip, "%%generate --max-tokens 8 --system 'You are a pirate.' --out o\nGreet me.")
     prompt = current().engine.tokenizer.decode(ip.user_ns["o"].prompt_token_ids)
-    assert "You are a pirate." in prompt and "<|im_start|>user\nGreet me." in prompt
+    assert "<|im_start|>system\nYou are a pirate.<|im_end|>" in prompt     # quotes removed
+    assert "<|im_start|>user\nGreet me.<|im_end|>" in prompt
     run(ip, "%%generate --max-tokens 8 --raw --out r\nThe capital of France is")
     assert ip.user_ns["r"].prompt_token_ids == current().engine.tokenizer("The capital of France is").input_ids
     run(ip, "%%generate --max-tokens 16 --raw --stop ' ' --out s\nOne two three four")
@@ -207,6 +208,7 @@ def test_system_and_raw_and_stop(ip):
     ("--top-p 2", "--top-p must be in"),
     ("--out 2x", "not a valid variable name"),
     ("--max-tokens many", "invalid int value"),
+    ("--system 'unclosed", "cannot read the options: No closing quotation"),
 ])
 def test_bad_generate_options_are_one_usage_error(ip, option, message):
     with pytest.raises(UsageError, match=message):
@@ -314,10 +316,11 @@ def test_unload_gives_the_memory_back(ip, capsys):
     current().unload()
     base = rss_bytes()
     run(ip, "%pagedkv load --kv-cache-memory 128MiB")
+    run(ip, f"{GEN}\nHello.")                   # a forward touches every weight page
     loaded = rss_bytes()
     run(ip, "%pagedkv unload")
     after = rss_bytes()
     assert "unloaded SmolLM2-135M-Instruct: process memory" in capsys.readouterr().out
     assert current().engine is None
-    assert loaded - base > 500 << 20            # 540 MB of fp32 weights + 128 MiB of KV were resident
+    assert loaded - base > 400 << 20            # the 540 MB of fp32 weights were resident
     assert after - base < 64 << 20, (base >> 20, loaded >> 20, after >> 20)

@@ -85,6 +85,13 @@ def test_block_map_draws_one_character_per_block():
     assert first == ".cus" * 16 and second == ".cus" * 4
 
 
+def test_block_map_groups_large_pools_showing_the_busiest_state():
+    states = ["free"] * 1000 + ["used"] + ["cached"] * 23
+    text = block_map({"states": states}, width=64, max_chars=512)   # 1024 blocks: 2 per character
+    assert text.splitlines()[:8] == ["." * 64] * 7 + ["." * 52 + "u" + "c" * 11]
+    assert "one character per 2 blocks" in text
+
+
 def test_monitor_answers_snapshot_and_rejects_other_requests():
     session = KernelSession()
     assert handle_message({"request": "snapshot"}, session) == {"response": "snapshot", "loaded": False}
