@@ -208,8 +208,10 @@ class BackgroundJob:
     outputs: list[RequestOutput] = field(default_factory=list)
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    render: Renderer | None = None
 
     def start(self, render: Renderer) -> None:
+        self.render = render
         # Run in a copy of the cell's context: ipykernel keeps the parent message there, so anything
         # the watcher displays belongs to the cell that started it.
         ctx = contextvars.copy_context()

@@ -274,6 +274,7 @@ def test_chat_reset_forgets_and_unknown_sessions_are_a_usage_error(ip):
 
 def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
     engine = current().engine
+    run(ip, "%%generate --max-tokens 40 --background --out survivor\nTell me about the sea.")
 
     def interrupt_when_generating():
         deadline = time.monotonic() + 30
@@ -290,6 +291,9 @@ def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
         run(ip, "%%generate --max-tokens 400\nWrite a long story.\n---\nWrite a long poem.")
     assert time.monotonic() - t0 < 30
     assert "interrupted: aborted 2 requests of this cell" in capsys.readouterr().err
+    assert [current().origins[r.request_id] for r in engine.live_requests()] == ["background"]
+    assert current().wait_background(120)
+    assert ip.user_ns["survivor"].finish_reason == "length"     # the background job kept running
     assert not engine.live_requests()
     engine.check_invariants()
     assert all(b.ref_count == 0 for b in engine.pool.blocks)
@@ -310,7 +314,26 @@ def test_background_requests_share_the_engine_with_a_foreground_cell(ip, capsys)
     assert "background req-" in capsys.readouterr().out
 
 
-# -- unload (last: it takes the module's engine away) --------------------------------------------------
+def test_pagedkv_bench_runs_the_bench_module_in_a_subprocess(ip, capsys):
+    run(ip, "%pagedkv bench --help")
+    assert "usage: python -m jupyter_pagedkv.bench" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="the benchmark exited with status 2"):
+        run(ip, "%pagedkv bench no-such-bench")
+
+
+# -- reload, unload (last: they take the module's engine away) ------------------------------------------
+
+def test_loading_again_replaces_the_engine_cleanly(ip, capsys):
+    run(ip, "%%chat keep --max-tokens 4\nHello.")
+    old = current().engine
+    run(ip, "%pagedkv load --kv-cache-memory 64MiB --block-size 8")
+    new = current().engine
+    assert new is not old and not old.is_running and old.model is None   # shut down, weights dropped
+    assert new.block_size == 8 and new.is_running
+    assert current().chats["keep"].token_ids == []     # old token ids are re-templated on the new model
+    run(ip, "%%chat keep --max-tokens 4 --out o\nAgain.")
+    assert [m["content"] for m in current().chats["keep"].messages][::2] == ["Hello.", "Again."]
+
 
 def test_unload_gives_the_memory_back(ip, capsys):
     current().unload()

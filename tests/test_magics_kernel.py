@@ -97,8 +97,10 @@ def test_background_result_arrives_while_later_cells_run(kernel):
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.outputs)
     check = kernel.execute("from jupyter_pagedkv.session import current\n"
                            "assert current().wait_background(120)\n"
-                           "print(bg.finish_reason, len(bg.token_ids))")
-    assert text_of(check).strip() == "length 8", text_of(check)
+                           "print(bg.finish_reason, len(bg.token_ids))\n"
+                           "shown = current().jobs[-1].render.widget.outputs[0]['data']['text/plain']\n"
+                           "print(shown.startswith(bg.text) and 'tokens generated' in shown)")
+    assert text_of(check).split() == ["length", "8", "True"], text_of(check)
 
 
 def test_interrupt_aborts_the_cell_and_leaves_no_block_referenced(kernel):

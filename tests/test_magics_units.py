@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 from IPython.core.error import UsageError
 
-from jupyter_pagedkv.magics import block_map, interpolate, split_prompts
+from jupyter_pagedkv.magics import PagedKVMagics, _unescape, block_map, interpolate, parse_line, split_prompts
 from jupyter_pagedkv.monitor_channel import TARGET, handle_message, open_comm, register
 from jupyter_pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jupyter_pagedkv.session import KernelSession
+from jupyter_pagedkv.session import ChatSession, KernelSession
 from jupyter_pagedkv.streaming import DisplayRenderer, Panel, PrintRenderer, footer
 
 
@@ -120,3 +120,62 @@ def test_the_comm_target_is_registered_only_inside_a_kernel():
         kernel = None
     assert register(Shell()) is False
     assert TARGET == "jupyter_pagedkv.monitor"
+
+
+def test_options_use_shell_quoting_and_stop_strings_understand_escapes():
+    args = parse_line(PagedKVMagics.generate, """--system "Be brief." --stop "\\n" --stop '.'""")
+    assert args.system == "Be brief."
+    assert [_unescape(s) for s in args.stop] == ["\n", "."]
+
+
+class Tok:
+    """A character-level stand-in tokenizer whose template may rewrite earlier assistant turns."""
+
+    chat_template = "x"
+
+    def __init__(self, strip_replies: bool) -> None:
+        self.strip_replies = strip_replies
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        text = "".join(f"<{m['role']}>" + (m["content"].strip() if self.strip_replies else m["content"])
+                       + "|" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def decode(self, ids, **kw):
+        return "".join(map(chr, ids))
+
+    def __call__(self, text, add_special_tokens=True):
+        class Enc:
+            input_ids = [ord(c) for c in text]
+        return Enc()
+
+
+class ChatEngine:
+    def __init__(self, tok) -> None:
+        self.tokenizer = tok
+
+    def apply_chat_template(self, messages):
+        return [ord(c) for c in self.tokenizer.apply_chat_template(messages, True, False)]
+
+
+def turn(chat: ChatSession, engine: ChatEngine, message: str, reply_ids: list[int]) -> list[int]:
+    ids = chat.prompt_ids(engine, message)
+    out = RequestOutput("r", None, ids, [CompletionOutput(0, "".join(map(chr, reply_ids)).rstrip("|"),
+                                                         reply_ids, "stop")], True, 0, RequestMetrics(0.0))
+    chat.record(message, out)
+    return ids
+
+
+def test_next_chat_prompt_extends_the_tokens_the_model_saw():
+    engine, chat = ChatEngine(Tok(strip_replies=False)), ChatSession("s")
+    first = turn(chat, engine, "hi", [ord(c) for c in "yo|"])
+    second = chat.prompt_ids(engine, "more")
+    assert chat.reused_tokens and second[:len(first) + 3] == first + [ord(c) for c in "yo|"]
+
+
+def test_chat_falls_back_to_the_template_when_it_rewrites_earlier_turns():
+    engine, chat = ChatEngine(Tok(strip_replies=True)), ChatSession("s")
+    turn(chat, engine, "hi", [ord(c) for c in " yo |"])      # the template strips the reply's spaces
+    second = chat.prompt_ids(engine, "more")
+    assert not chat.reused_tokens
+    assert "".join(map(chr, second)) == "<user>hi|<assistant>yo|<user>more|<assistant>"
