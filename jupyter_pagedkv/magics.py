@@ -340,9 +340,9 @@ class PagedKVMagics(Magics):
             self._submit(run, prompts, params, origin)
             outputs = run.wait(renderer)
         except KeyboardInterrupt:
-            n = run.abort()
+            n = run.abort(renderer)
             print(f"interrupted: aborted {n} request{'s' if n != 1 else ''} of this cell and freed "
-                  f"their blocks; the engine keeps serving", file=sys.stderr)
+                  f"{'their' if n != 1 else 'its'} blocks; the engine keeps serving", file=sys.stderr)
             raise
         self._raise_engine_error(run)
         return outputs

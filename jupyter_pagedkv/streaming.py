@@ -77,18 +77,13 @@ class CellRun:
 
     def wait(self, render: Renderer, interval: float = 0.1) -> list[RequestOutput]:
         """Fold deltas into panels until every request finished; render at most every `interval` s."""
-        by_id = {p.request_id: p for p in self.panels}
         last = 0.0
         while not all(p.finished for p in self.panels):
             try:
                 delta = self.queue.get(timeout=interval)
             except queue.Empty:
                 continue
-            panel = by_id[delta.request_id]
-            panel.text += delta.text
-            if delta.finished:
-                panel.output = delta.output
-                panel.text = delta.output.text
+            self._fold(delta)
             now = time.monotonic()
             if now - last >= interval or delta.finished:
                 render.update(self.panels, final=False)
@@ -96,9 +91,27 @@ class CellRun:
         render.update(self.panels, final=True)
         return [p.output for p in self.panels]
 
-    def abort(self) -> int:
-        """Abort the unfinished requests of this cell; returns how many were still live."""
-        return sum(1 for rid in self.request_ids if self.engine.abort(rid))
+    def _fold(self, delta: StreamDelta) -> None:
+        panel = next(p for p in self.panels if p.request_id == delta.request_id)
+        panel.text += delta.text
+        if delta.finished:
+            panel.output = delta.output
+            panel.text = delta.output.text
+
+    def abort(self, render: Renderer | None = None) -> int:
+        """Abort the unfinished requests of this cell; returns how many were still live.
+
+        The engine publishes an aborted request's last delta inside `abort`, so the final state
+        (text so far, finish reason "abort") can be rendered at once."""
+        n = sum(1 for rid in self.request_ids if self.engine.abort(rid))
+        while True:
+            try:
+                self._fold(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        if render is not None and all(p.finished for p in self.panels):
+            render.update(self.panels, final=True)
+        return n
 
 
 # -- renderers ------------------------------------------------------------------------------------

@@ -112,7 +112,9 @@ def test_interrupt_aborts_the_cell_and_leaves_no_block_referenced(kernel):
     timer.cancel()
     assert elapsed < 25, f"the cell ran {elapsed:.0f} s: the interrupt did not stop it"
     assert any(e.startswith("KeyboardInterrupt") for e in errors(cell)), cell.outputs
-    assert "interrupted: aborted 1 request of this cell" in text_of(cell)
+    assert "interrupted: aborted 1 request of this cell and freed its blocks" in text_of(cell)
+    shown = next(o for o in cell.outputs if o.output_type == "display_data").data["text/plain"]
+    assert re.search(r"\[\d+ tokens generated .* · abort\]$", shown), shown   # final state shown
     after = kernel.execute(
         "engine = current().engine\n"
         "engine.check_invariants()\n"
