@@ -127,7 +127,7 @@ class KernelSession:
 
         t0 = time.perf_counter()
         bar = tqdm(total=3, desc="importing torch + transformers", disable=not progress,
-                   bar_format="{desc}: {n}/{total} |{bar}| {elapsed}")
+                   bar_format="{desc}{n}/{total} |{bar}| {elapsed}")
         try:
             import torch  # noqa: F401  (the slow imports, shown as their own stage)
             import transformers  # noqa: F401

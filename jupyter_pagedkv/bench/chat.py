@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name].append(r)
             print(f"  rep {rep + 1} {name:16s}: turn-2 TTFT {r['ttft'] * 1e3:7.1f} ms, "
                   f"{r['cached']:4d}/{r['prompt']} prompt tokens cached")
-    ip.run_line_magic("pagedkv", "unload")
+    with contextlib.redirect_stdout(io.StringIO()):
+        ip.run_line_magic("pagedkv", "unload")
     on = statistics.median(r["ttft"] for r in results["prefix cache on"])
     off = statistics.median(r["ttft"] for r in results["prefix cache off"])
     prompt = results["prefix cache on"][0]["prompt"]
