@@ -254,7 +254,7 @@ class PagedKVMagics(Magics):
         labels = [f"[{i + 1}] {_short(t)}" for i, t in enumerate(texts)]
         run = CellRun(engine, labels)
         if args.background:
-            self._start_background(run, prompts, params, args.out)
+            self._start_background(run, prompts, params, args.out, args.no_stream)
             return
         outputs = self._run_cell(run, prompts, params, "generate", args.no_stream)
         if args.out:
@@ -354,7 +354,8 @@ class PagedKVMagics(Magics):
             if req.request_id in failed and req.error is not None:
                 raise req.error
 
-    def _start_background(self, run: CellRun, prompts: Sequence, params, out_var: str | None) -> None:
+    def _start_background(self, run: CellRun, prompts: Sequence, params, out_var: str | None,
+                          no_stream: bool) -> None:
         self._submit(run, prompts, params, "background")
         title = "background " + ", ".join(run.request_ids)
         ns = self.shell.user_ns
@@ -365,18 +366,22 @@ class PagedKVMagics(Magics):
 
         job = BackgroundJob(run, title, on_done)
         renderer: Renderer
-        widget = self._output_widget() if getattr(self.shell, "kernel", None) is not None else None
+        in_kernel = getattr(self.shell, "kernel", None) is not None
+        widget = self._output_widget() if in_kernel else None
         if widget is not None:
             from IPython.display import display
             display(widget)
             renderer = WidgetRenderer(widget)
+            renderer.update(run.panels, final=False)
+        elif in_kernel:   # no ipywidgets: a display handle made here, updated by the watcher
+            renderer = DisplayRenderer()
             renderer.update(run.panels, final=False)
         else:
             renderer = DonePrinter(title)
             print(f"{title}: running; the result prints here when done"
                   + (f" and is stored in {out_var}" if out_var else ""))
         self.session.jobs.append(job)
-        job.start(renderer)
+        job.start(FinalOnly(renderer) if no_stream else renderer)
 
     @staticmethod
     def _output_widget():

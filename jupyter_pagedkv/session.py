@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,35 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def preflight(model: str | None, device: str, dtype: str) -> None:
+    """Catch a mistyped model, device or dtype before the current engine is unloaded for it.
+
+    Raises ValueError with the loader's wording; the full checks still happen while loading."""
+    from pathlib import Path
+
+    from .loader import ModelNotFoundError, embedded_gguf
+
+    if model is None:
+        embedded_gguf()
+    else:
+        path = Path(os.path.expanduser(model))
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise ModelNotFoundError(f"{path} has no config.json: pass a Hugging Face model folder")
+        elif model.count("/") <= 1 and not model.startswith((".", "/", "~")):
+            from huggingface_hub import try_to_load_from_cache
+            if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+                raise ModelNotFoundError(f"{model!r} is not a local folder and not in the local "
+                                         f"Hugging Face cache (no hub access at run time)")
+        else:
+            raise ModelNotFoundError(f"no model folder at {model}: check the path")
+    import torch
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here; use --device cpu or auto")
+    if dtype != "auto" and not isinstance(getattr(torch, dtype.replace("torch.", ""), None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
 
 
 @dataclass
@@ -121,6 +151,7 @@ class KernelSession:
 
     def load(self, model: str | None, progress: bool = True, **engine_kwargs: Any) -> Engine:
         """Replace the engine: unload the old one first (its memory back), then load and start."""
+        preflight(model, engine_kwargs.get("device", "auto"), engine_kwargs.get("dtype", "auto"))
         if self.engine is not None:
             self.unload()
         from tqdm.auto import tqdm

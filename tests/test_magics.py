@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 from IPython.core.error import UsageError
 
 from jupyter_pagedkv import session as session_mod
@@ -132,12 +133,19 @@ def test_reset_cache_drops_cached_blocks(ip, capsys):
 
 @pytest.mark.parametrize("line, message", [
     ("%pagedkv load --num-blocks 10 --kv-cache-memory 1MiB", "not both"),
+    ("%pagedkv load /no/such/model", "cannot load: no model folder at /no/such/model"),
+    ("%pagedkv load nobody/no-such-model", "not in the local Hugging Face cache"),
+    ("%pagedkv load --dtype float13", "unknown dtype 'float13'"),
+    pytest.param("%pagedkv load --device cuda", "no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     ("%pagedkv status --block-size 8", "only applies to `%pagedkv load`"),
     ("%pagedkv frobnicate", "invalid choice"),
 ])
 def test_bad_pagedkv_lines_are_one_usage_error(ip, line, message):
+    engine = current().engine
     with pytest.raises(UsageError, match=message):
         run(ip, line)
+    assert current().engine is engine and engine.is_running   # a typo does not cost the engine
 
 
 # -- %%generate -----------------------------------------------------------------------------------------
