@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from IPython.core.error import UsageError
 
-from jupyter_pagedkv.magics import PagedKVMagics, _unescape, block_map, interpolate, parse_line, split_prompts
+from jupyter_pagedkv.magics import PagedKVMagics, _unescape, interpolate, parse_line, split_prompts
+from jupyter_pagedkv.text_views import block_map
 from jupyter_pagedkv.monitor_channel import TARGET, handle_message, open_comm, register
 from jupyter_pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jupyter_pagedkv.session import ChatSession, KernelSession
