@@ -287,8 +287,8 @@ def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
     def interrupt_when_generating():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            live = engine.live_requests()
-            if live and live[0].seqs[0].num_output_tokens >= 2:
+            cell = [r for r in engine.live_requests() if current().origins.get(r.request_id) == "generate"]
+            if cell and cell[0].seqs[0].num_output_tokens >= 2:
                 _thread.interrupt_main()
                 return
             time.sleep(0.02)
