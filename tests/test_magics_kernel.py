@@ -145,3 +145,25 @@ def test_monitor_comm_answers_a_snapshot_request(kernel):
     assert len(pool["states"]) == pool["num_blocks"] == stats["num_blocks"]
     assert stats["num_used"] == 0 and stats["num_cached"] > 0
     assert set(pool["states"]) <= {"free", "cached", "used", "shared"}
+
+
+def test_a_subscribed_monitor_gets_snapshots_while_a_cell_generates(kernel):
+    kc = kernel.client.kc
+    comm_id = uuid.uuid4().hex
+    kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": comm_id, "data": {},
+                                                       "target_name": "jupyter_pagedkv.monitor"}))
+    kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id,
+                                                      "data": {"request": "subscribe", "interval_ms": 200}}))
+    msg_id = kc.execute("%%generate --max-tokens 16\nCount from one to twenty.")
+    running_seen = 0
+    while True:
+        msg = kc.get_iopub_msg(timeout=60)
+        content = msg["content"]
+        if msg["msg_type"] == "comm_msg" and content["comm_id"] == comm_id:
+            if content["data"].get("response") == "snapshot" and content["data"]["stats"]["num_running"]:
+                running_seen += 1
+        if (msg["msg_type"] == "status" and content["execution_state"] == "idle"
+                and msg["parent_header"].get("msg_id") == msg_id):
+            break
+    kc.shell_channel.send(kc.session.msg("comm_close", {"comm_id": comm_id, "data": {}}))
+    assert running_seen >= 3      # pushed from a kernel thread while the cell held the main thread

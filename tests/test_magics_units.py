@@ -1,6 +1,8 @@
 """The magics' pure parts, without a model: prompt splitting, interpolation, renderers, the comm."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from IPython.core.error import UsageError
 
@@ -99,21 +101,47 @@ def test_monitor_answers_snapshot_and_rejects_other_requests():
     assert handle_message({"request": "reboot"}, session)["response"] == "error"
 
 
+class FakeComm:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def on_msg(self, f):
+        self.handler = f
+        return f
+
+    def on_close(self, f):
+        self.closer = f
+
+    def send(self, data):
+        self.sent.append(data)
+
+    def message(self, data: dict) -> None:
+        self.handler({"content": {"data": data}})
+
+
 def test_monitor_comm_sends_an_answer_per_message():
-    sent = []
-
-    class Comm:
-        def on_msg(self, f):
-            self.handler = f
-            return f
-
-        def send(self, data):
-            sent.append(data)
-
-    comm = Comm()
+    comm = FakeComm()
     open_comm(comm, {}, get_session=KernelSession)
-    comm.handler({"content": {"data": {"request": "snapshot"}}})
-    assert sent == [{"response": "snapshot", "loaded": False}]
+    comm.message({"request": "snapshot"})
+    assert comm.sent == [{"response": "snapshot", "loaded": False}]
+
+
+def test_monitor_comm_pushes_snapshots_while_subscribed_until_closed():
+    comm = FakeComm()
+    open_comm(comm, {}, get_session=KernelSession)
+    comm.message({"request": "subscribe", "interval_ms": 100})
+    time.sleep(0.55)
+    comm.message({"request": "unsubscribe"})
+    pushed = [m for m in comm.sent if m.get("response") == "snapshot"]
+    assert comm.sent[0] == {"response": "subscribed", "interval_ms": 100}
+    assert 3 <= len(pushed) <= 6
+    assert comm.sent[-1] == {"response": "unsubscribed"}
+    time.sleep(0.25)
+    assert len([m for m in comm.sent if m.get("response") == "snapshot"]) == len(pushed)
+    comm.message({"request": "subscribe", "interval_ms": 100})
+    comm.closer({})
+    time.sleep(0.25)
+    assert comm.sent[-1] == {"response": "subscribed", "interval_ms": 100}   # closing stops the pushes
 
 
 def test_the_comm_target_is_registered_only_inside_a_kernel():
