@@ -280,20 +280,26 @@ def test_chat_reset_forgets_and_unknown_sessions_are_a_usage_error(ip):
 
 # -- interrupt, background ---------------------------------------------------------------------------
 
-def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
+def interrupt_once_generating(origin: str) -> None:
+    """Ctrl-C (SIGINT to the main thread) once a request of `origin` has produced two tokens."""
     engine = current().engine
-    run(ip, "%%generate --max-tokens 40 --background --out survivor\nTell me about the sea.")
 
-    def interrupt_when_generating():
+    def watch():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            cell = [r for r in engine.live_requests() if current().origins.get(r.request_id) == "generate"]
-            if cell and cell[0].seqs[0].num_output_tokens >= 2:
+            mine = [r for r in engine.live_requests() if current().origins.get(r.request_id) == origin]
+            if mine and mine[0].seqs[0].num_output_tokens >= 2:
                 _thread.interrupt_main()
                 return
             time.sleep(0.02)
 
-    threading.Thread(target=interrupt_when_generating, daemon=True).start()
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
+    engine = current().engine
+    run(ip, "%%generate --max-tokens 40 --background --out survivor\nTell me about the sea.")
+    interrupt_once_generating("generate")
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         run(ip, "%%generate --max-tokens 400\nWrite a long story.\n---\nWrite a long poem.")
@@ -307,6 +313,20 @@ def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
     assert all(b.ref_count == 0 for b in engine.pool.blocks)
     run(ip, f"{GEN} --out after\nStill there?")                    # the engine keeps serving
     assert ip.user_ns["after"].finish_reason == "length"
+
+
+def test_ctrl_c_in_a_chat_drops_the_turn_and_keeps_the_session(ip, capsys):
+    run(ip, "%%chat calm --max-tokens 4\nHello.")
+    before = list(current().chats["calm"].messages)
+    interrupt_once_generating("chat calm")
+    with pytest.raises(KeyboardInterrupt):
+        run(ip, "%%chat calm --max-tokens 400\nTell me a very long story.")
+    assert "interrupted: aborted 1 request of this cell" in capsys.readouterr().err
+    assert current().chats["calm"].messages == before
+    engine = current().engine
+    assert not engine.live_requests() and all(b.ref_count == 0 for b in engine.pool.blocks)
+    run(ip, "%%chat calm --max-tokens 4 --out o\nStill there?")
+    assert len(current().chats["calm"].messages) == len(before) + 2
 
 
 def test_background_requests_share_the_engine_with_a_foreground_cell(ip, capsys):
