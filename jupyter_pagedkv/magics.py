@@ -167,12 +167,10 @@ class PagedKVMagics(Magics):
         print(f"loaded {self.session.summary_line()} [{self.session.load_seconds:.1f} s]")
 
     def _unload(self, args) -> None:
-        engine = self.session.engine
-        if engine is None:
+        if self.session.engine is None:
             print("no model loaded: nothing to unload")
             return
-        name = engine.name
-        del engine
+        name = self.session.engine.name
         before, after = self.session.unload()
         base = self.session.rss_before_load
         print(f"unloaded {name}: process memory {format_bytes(before)} → {format_bytes(after)} "
@@ -232,7 +230,7 @@ class PagedKVMagics(Magics):
         args = parse_line(self.generate, line)
         engine = self.session.require_engine()
         if args.beams is not None:
-            raise UsageError("--beams (beam search) is not available yet: drop it, or use --n 1 sampling")
+            raise UsageError("--beams (beam search) is not available yet: drop it (greedy is the default)")
         if args.speculative is not None:
             raise UsageError("--speculative is not available yet: drop it (generation is exact without it)")
         if args.n != 1:
