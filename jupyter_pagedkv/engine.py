@@ -500,6 +500,9 @@ class Engine:
                 self.step()
             except Exception:   # the failing requests carry the error; keep serving the others
                 pass
+            # Python locks are not fair: without a yield here the loop re-takes the lock before a
+            # waiting thread (a monitor asking for stats) wakes, which then starves for seconds.
+            time.sleep(0)
 
     # -- introspection -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
