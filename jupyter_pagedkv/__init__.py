@@ -24,3 +24,14 @@ def __getattr__(name: str):
         from . import outputs
         return getattr(outputs, name)
     raise AttributeError(f"module 'jupyter_pagedkv' has no attribute {name!r}")
+
+
+def load_ipython_extension(ip) -> None:
+    """`%load_ext jupyter_pagedkv`: register the magics and, in a kernel, the monitor channel.
+
+    Cheap on purpose: the model (and torch) load only at `%pagedkv load`."""
+    from .magics import PagedKVMagics
+    from .monitor_channel import register
+
+    ip.register_magics(PagedKVMagics)
+    register(ip)

@@ -152,8 +152,12 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue one request; returns its id. Bad input raises ValueError before anything is queued."""
+                    request_id: str | None = None, priority: int = 0,
+                    listener: queue.SimpleQueue | None = None) -> str:
+        """Queue one request; returns its id. Bad input raises ValueError before anything is queued.
+
+        `listener` receives the request's StreamDeltas from its first token on; attaching it here,
+        under the lock, means a background step can never run before it is in place."""
         params = params or SamplingParams()
         params.validate()
         text, ids = self._tokenize(prompt)
@@ -167,6 +171,8 @@ class Engine:
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed)
             req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now))
+            if listener is not None:
+                req.listeners.append(listener)
             self._requests[rid] = req
             self.scheduler.add(seq)
             self._work.notify_all()
@@ -210,6 +216,11 @@ class Engine:
                     self.scheduler.finish(seq, "abort")
             self._finish_request(req, now)
             return True
+
+    def live_requests(self) -> list[Request]:
+        """The unfinished requests, oldest first (a snapshot, for tables and monitors)."""
+        with self._lock:
+            return list(self._requests.values())
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -515,6 +526,9 @@ class Engine:
                 self.step()
             except Exception:   # the failing requests carry the error; keep serving the others
                 pass
+            # Python locks are not fair: without a yield here the loop re-takes the lock before a
+            # waiting thread (a monitor asking for stats) wakes, which then starves for seconds.
+            time.sleep(0)
 
     # -- introspection -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,0 +1,407 @@
+"""`%pagedkv`, `%%generate` and `%%chat`: the notebook front of one persistent engine.
+
+Options are parsed with IPython's magic_arguments, so `%pagedkv?`, `%%generate?` and `%%chat?`
+show them all. A user mistake is one UsageError line that says what to do, never a traceback.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from typing import Any, Callable, Sequence
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from .session import NO_ENGINE, KernelSession, current, format_bytes
+from .text_views import block_map, requests_table
+from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
+                        Renderer, WidgetRenderer)
+
+COMMANDS = ("load", "unload", "status", "requests", "reset-cache", "monitor", "bench", "help")
+LOAD_OPTIONS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
+                "no_prefix_caching", "preemption", "allocator")
+DEFAULT_MAX_TOKENS = 128
+_FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)*)\}")
+_SEPARATOR = re.compile(r"^[ \t]*---[ \t]*$", re.MULTILINE)
+_SESSION_NAME = re.compile(r"^[\w.-]+$")
+
+HELP = """\
+jupyter-pagedkv magics (one engine per kernel, shared by every cell):
+  %pagedkv load [MODEL] [options]   load a model (default: the embedded SmolLM2-135M-Instruct)
+  %pagedkv status                   model, KV cache and engine gauges
+  %pagedkv requests                 live and recent requests, chat sessions, background jobs
+  %pagedkv monitor                  the block pool as text (one character per block)
+  %pagedkv reset-cache              drop cached prefixes (blocks not in use)
+  %pagedkv unload                   release the model and the KV memory
+  %pagedkv bench NAME [...]         run `python -m jupyter_pagedkv.bench NAME ...` in a subprocess
+  %%generate [options]              generate from the cell; `---` lines separate concurrent prompts,
+                                    {name} inserts a variable ({{ and }} are literal braces)
+  %%chat [SESSION] [options]        one turn of a multi-turn chat; earlier turns stay in the KV cache
+All options: %pagedkv?  %%generate?  %%chat?"""
+
+
+def interpolate(text: str, namespace: dict[str, Any]) -> str:
+    """Replace {name} and {name.attr} from the user namespace; other braces stay as written."""
+    def sub(m: re.Match) -> str:
+        if m.group(0) in ("{{", "}}"):
+            return m.group(0)[0]
+        name = m.group(1)
+        if name not in namespace:
+            raise UsageError(f"the prompt uses {{{name}}} but {name!r} is not defined: define it, "
+                             f"or write {{{{{name}}}}} for literal braces")
+        value = namespace[name]
+        for attr in filter(None, m.group(2).split(".")):
+            if not hasattr(value, attr):
+                raise UsageError(f"the prompt uses {m.group(0)} but {name}{m.group(2)} does not exist")
+            value = getattr(value, attr)
+        return str(value)
+    return _FIELD.sub(sub, text)
+
+
+def split_prompts(cell: str) -> list[str]:
+    """Prompts separated by lines holding only `---`; each is stripped and must not be empty."""
+    parts = [p.strip() for p in _SEPARATOR.split(cell)]
+    if not any(parts):
+        raise UsageError("the cell is empty: write the prompt below the magic line")
+    if not all(parts):
+        raise UsageError("an empty prompt next to a `---` line: remove the extra separator")
+    return parts
+
+
+def parse_line(magic: Callable, line: str):
+    """Parse a magic's options with shell quoting (`--system "Be brief."` loses its quotes, unlike
+    IPython's own splitter); every mistake is one UsageError line."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as err:
+        raise UsageError(f"cannot read the options: {err} (check the quotes)") from None
+    return magic.parser.parse_args(argv)
+
+
+def _unescape(s: str) -> str:
+    """Let `--stop "\\n"` mean a newline, as a user types it."""
+    return s.encode("utf-8").decode("unicode_escape") if "\\" in s else s
+
+
+def sampling_arguments(f: Callable) -> Callable:
+    """The options %%generate and %%chat share."""
+    for arg in reversed([
+        argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                 help=f"most tokens to generate per prompt (default {DEFAULT_MAX_TOKENS})"),
+        argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)"),
+        argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]"),
+        argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)"),
+        argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling"),
+        argument("--stop", action="append", default=None, metavar="S",
+                 help="stop when the text contains S (repeatable; \\n and \\t are understood)"),
+        argument("--system", default=None, metavar="TEXT", help="system message for the chat template"),
+        argument("--out", default=None, metavar="VAR",
+                 help="store the RequestOutput (a list for several prompts) in variable VAR"),
+        argument("--no-stream", action="store_true", help="show the text only when it is complete"),
+    ]):
+        f = arg(f)
+    return f
+
+
+@magics_class
+class PagedKVMagics(Magics):
+    """Magics over the kernel's one engine (`jupyter_pagedkv.session.current()`)."""
+
+    @property
+    def session(self) -> KernelSession:
+        return current()
+
+    # -- %pagedkv -------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("command", nargs="?", default="help", choices=COMMANDS, metavar="COMMAND",
+              help="load | unload | status | requests | reset-cache | monitor | bench | help")
+    @argument("model", nargs="?", default=None, metavar="MODEL",
+              help="load: a Hugging Face model folder or cached id (default: embedded SmolLM2-135M-Instruct)")
+    @argument("--device", default="auto", help="load: cpu, cuda, cuda:1 ... (default auto)")
+    @argument("--dtype", default="auto", help="load: float32, bfloat16, float16 (default auto)")
+    @argument("--block-size", type=int, default=16, metavar="N", help="load: tokens per KV block (16)")
+    @argument("--num-blocks", type=int, default=None, metavar="N", help="load: KV blocks to allocate")
+    @argument("--kv-cache-memory", default=None, metavar="S",
+              help="load: KV memory instead of --num-blocks, e.g. 512MiB (CPU default 1GiB)")
+    @argument("--max-num-seqs", type=int, default=64, metavar="N", help="load: most running requests")
+    @argument("--no-prefix-caching", action="store_true", help="load: turn the prefix cache off")
+    @argument("--preemption", default="recompute", choices=("recompute", "swap"),
+              help="load: what to do when blocks run out")
+    @argument("--allocator", default="paged", choices=("paged", "contiguous"),
+              help="load: paged blocks, or the contiguous baseline")
+    @line_magic
+    def pagedkv(self, line: str) -> None:
+        """Load, inspect and release the kernel's paged KV-cache engine. `%pagedkv help` for a tour."""
+        words = line.split(None, 1)
+        if words and words[0] == "bench":
+            return self._bench(words[1] if len(words) > 1 else "")
+        args = parse_line(self.pagedkv, line)
+        if args.command != "load":
+            parser = self.pagedkv.parser
+            given = [f"--{o.replace('_', '-')}" for o in LOAD_OPTIONS
+                     if getattr(args, o) != parser.get_default(o)]
+            if given or args.model is not None:
+                what = ", ".join(given) or repr(args.model)
+                raise UsageError(f"{what} only applies to `%pagedkv load`")
+        getattr(self, "_" + args.command.replace("-", "_"))(args)
+
+    def _help(self, args) -> None:
+        print(HELP)
+
+    def _load(self, args) -> None:
+        if args.num_blocks is not None and args.kv_cache_memory is not None:
+            raise UsageError("give --num-blocks or --kv-cache-memory, not both")
+        kwargs = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+                      num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+                      max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+                      preemption_mode=args.preemption, allocator=args.allocator)
+        replaced = self.session.engine is not None
+        try:
+            self.session.load(args.model, **kwargs)
+        except (ValueError, RuntimeError) as err:   # unknown model, bad dtype, a pool too small...
+            note = " (the previous model was unloaded first)" if replaced else ""
+            raise UsageError(f"cannot load: {err}{note}") from None
+        print(f"loaded {self.session.summary_line()} [{self.session.load_seconds:.1f} s]")
+
+    def _unload(self, args) -> None:
+        if self.session.engine is None:
+            print("no model loaded: nothing to unload")
+            return
+        name = self.session.engine.name
+        before, after = self.session.unload()
+        base = self.session.rss_before_load
+        print(f"unloaded {name}: process memory {format_bytes(before)} → {format_bytes(after)} "
+              f"({format_bytes(base)} with torch imported, before the first model was loaded)")
+
+    def _status(self, args) -> None:
+        s = self.session
+        if s.engine is None:
+            print(NO_ENGINE)
+            return
+        e = s.engine
+        print(s.summary_line())
+        print(e.stats().summary())
+        print(f"engine thread: {'running' if e.is_running else 'stopped'}; background jobs: "
+              f"{len(s.live_jobs())} running; chat sessions: {len(s.chats)}")
+
+    def _requests(self, args) -> None:
+        engine = self.session.require_engine()
+        print(requests_table(self.session, engine))
+
+    def _reset_cache(self, args) -> None:
+        n = self.session.require_engine().reset_prefix_cache()
+        print(f"prefix cache cleared: {n} cached block{'s' if n != 1 else ''} dropped")
+
+    def _monitor(self, args) -> None:
+        engine = self.session.require_engine()
+        print(engine.stats().summary())
+        print(block_map(engine.pool_snapshot()))
+
+    def _bench(self, rest: str) -> None:
+        """Benchmarks load their own engines, so they run in a subprocess with their output here."""
+        cmd = [sys.executable, "-m", "jupyter_pagedkv.bench", *shlex.split(rest)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for text in proc.stdout:
+                print(text, end="")
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise
+        if proc.returncode:
+            raise UsageError(f"the benchmark exited with status {proc.returncode}")
+
+    # -- %%generate ---------------------------------------------------------------------------------
+    @magic_arguments()
+    @sampling_arguments
+    @argument("--n", type=int, default=1, metavar="N", help="samples per prompt")
+    @argument("--beams", type=int, default=None, metavar="B", help="beam search with B beams")
+    @argument("--raw", action="store_true", help="send the text as is, without the chat template")
+    @argument("--speculative", default=None, metavar="ngram|MODEL", help="speculative decoding")
+    @argument("--background", action="store_true",
+              help="return at once; the result appears in this cell's output when done")
+    @cell_magic
+    def generate(self, line: str, cell: str) -> None:
+        """Generate from the cell's text (several prompts, separated by `---` lines, run concurrently)."""
+        args = parse_line(self.generate, line)
+        engine = self.session.require_engine()
+        if args.beams is not None:
+            raise UsageError("--beams (beam search) is not available yet: drop it (greedy is the default)")
+        if args.speculative is not None:
+            raise UsageError("--speculative is not available yet: drop it (generation is exact without it)")
+        if args.n != 1:
+            raise UsageError("--n > 1 (parallel samples) is not available yet: run the cell again "
+                             "with --seed S, or use --n 1")
+        params = self._params(args)
+        texts = split_prompts(interpolate(cell, self.shell.user_ns))
+        has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+        if args.system is not None and (args.raw or not has_template):
+            raise UsageError("--system needs the chat template: drop --raw, or put the instruction "
+                             "in the prompt" if args.raw else
+                             "--system needs a chat template and this model's tokenizer has none")
+        prompts: list = []
+        for text in texts:
+            if args.raw or not has_template:
+                prompts.append(text)
+            else:
+                head = [{"role": "system", "content": args.system}] if args.system is not None else []
+                prompts.append(engine.apply_chat_template(head + [{"role": "user", "content": text}]))
+        labels = [f"[{i + 1}] {_short(t)}" for i, t in enumerate(texts)]
+        run = CellRun(engine, labels)
+        if args.background:
+            self._start_background(run, prompts, params, args.out, args.no_stream)
+            return
+        outputs = self._run_cell(run, prompts, params, "generate", args.no_stream)
+        if args.out:
+            self.shell.user_ns[args.out] = outputs[0] if len(outputs) == 1 else outputs
+
+    # -- %%chat -----------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("session", nargs="?", default="default", metavar="SESSION",
+              help="the conversation to continue (default 'default'); each has its own history")
+    @argument("--reset", action="store_true", help="forget the session's history first")
+    @sampling_arguments
+    @line_cell_magic
+    def chat(self, line: str, cell: str | None = None) -> None:
+        """One turn of a multi-turn chat; the earlier turns are a cached prefix of this turn's prompt.
+
+        As a line magic, `%chat SESSION --reset` only forgets the session."""
+        args = parse_line(self.chat, line)
+        name = args.session
+        if not _SESSION_NAME.match(name):
+            raise UsageError(f"session name {name!r}: use letters, digits, '_', '-' or '.'")
+        message = (cell or "").strip()
+        if args.reset:
+            if name not in self.session.chats and not message:
+                known = ", ".join(sorted(self.session.chats)) or "none yet"
+                raise UsageError(f"no chat session {name!r} to reset (sessions: {known})")
+            self.session.chats.pop(name, None)
+            if not message:
+                print(f"chat session {name!r} reset")
+                return
+        if not message:
+            raise UsageError("no message: write it in the cell below `%%chat` (`%chat NAME --reset` "
+                             "alone only resets)")
+        engine = self.session.require_engine()
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise UsageError("this model's tokenizer has no chat template: use %%generate --raw")
+        params = self._params(args)
+        chat = self.session.chat(name)
+        if args.system is not None:
+            chat.system = args.system
+        message = interpolate(message, self.shell.user_ns)
+        prompt = chat.prompt_ids(engine, message)
+        run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"])
+        outputs = self._run_cell(run, [prompt], params, f"chat {name}", args.no_stream)
+        chat.record(message, outputs[0])
+        if args.out:
+            self.shell.user_ns[args.out] = outputs[0]
+
+    # -- shared -----------------------------------------------------------------------------------
+    @staticmethod
+    def _params(args):
+        from .sampling_params import SamplingParams
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"--out {args.out!r} is not a valid variable name")
+        try:
+            return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                  stop=[_unescape(s) for s in args.stop or []])
+        except ValueError as err:
+            raise UsageError(str(err).replace("max_tokens", "--max-tokens").replace("top_p", "--top-p")
+                             .replace("top_k", "--top-k")) from None
+
+    def _renderer(self) -> Renderer:
+        in_kernel = getattr(self.shell, "kernel", None) is not None
+        return DisplayRenderer() if in_kernel else PrintRenderer()
+
+    def _submit(self, run: CellRun, prompts: Sequence, params, origin: str) -> None:
+        engine = run.engine
+        if not engine.is_running:
+            engine.start()
+        try:
+            run.submit(prompts, params)
+        except ValueError as err:   # a prompt too long for the model or the pool
+            raise UsageError(str(err)) from None
+        for rid in run.request_ids:
+            self.session.origins[rid] = origin
+
+    def _run_cell(self, run: CellRun, prompts: Sequence, params, origin: str, no_stream: bool):
+        """Stream the cell's requests to its output; Ctrl-C aborts them and frees their blocks."""
+        renderer = self._renderer()
+        if no_stream:
+            renderer = FinalOnly(renderer)
+        try:
+            self._submit(run, prompts, params, origin)
+            outputs = run.wait(renderer)
+        except KeyboardInterrupt:
+            n = run.abort(renderer)
+            print(f"interrupted: aborted {n} request{'s' if n != 1 else ''} of this cell and freed "
+                  f"{'their' if n != 1 else 'its'} blocks; the engine keeps serving", file=sys.stderr)
+            raise
+        self._raise_engine_error(run)
+        return outputs
+
+    def _raise_engine_error(self, run: CellRun) -> None:
+        """An abort we did not ask for is an engine failure: show it, it is not the user's mistake."""
+        failed = {p.request_id for p in run.panels if p.output.finish_reason == "abort"}
+        for req in list(run.engine.finished_requests):
+            if req.request_id in failed and req.error is not None:
+                raise req.error
+
+    def _start_background(self, run: CellRun, prompts: Sequence, params, out_var: str | None,
+                          no_stream: bool) -> None:
+        self._submit(run, prompts, params, "background")
+        title = "background " + ", ".join(run.request_ids)
+        ns = self.shell.user_ns
+
+        def on_done(outputs):
+            if out_var:
+                ns[out_var] = outputs[0] if len(outputs) == 1 else outputs
+
+        job = BackgroundJob(run, title, on_done)
+        renderer: Renderer
+        in_kernel = getattr(self.shell, "kernel", None) is not None
+        widget = self._output_widget() if in_kernel else None
+        if widget is not None:
+            from IPython.display import display
+            display(widget)
+            renderer = WidgetRenderer(widget)
+            renderer.update(run.panels, final=False)
+        elif in_kernel:   # no ipywidgets: a display handle made here, updated by the watcher
+            renderer = DisplayRenderer()
+            renderer.update(run.panels, final=False)
+        else:
+            renderer = DonePrinter(title)
+            print(f"{title}: running; the result prints here when done"
+                  + (f" and is stored in {out_var}" if out_var else ""))
+        self.session.jobs.append(job)
+        job.start(FinalOnly(renderer) if no_stream else renderer)
+
+    @staticmethod
+    def _output_widget():
+        try:
+            import ipywidgets
+        except ImportError:
+            return None
+        return ipywidgets.Output()
+
+
+class FinalOnly:
+    """--no-stream: pass only the complete result to the wrapped renderer."""
+
+    def __init__(self, inner: Renderer) -> None:
+        self.inner = inner
+
+    def update(self, panels: Sequence[Panel], final: bool) -> None:
+        if final:
+            self.inner.update(panels, final=True)
+
+
+def _short(text: str, width: int = 40) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"

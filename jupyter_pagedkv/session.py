@@ -1,0 +1,231 @@
+"""The kernel-wide state behind the magics: one engine, the chat sessions, the background jobs.
+
+One `KernelSession` lives per kernel process (`current()`), so every cell, the monitor channel and
+background threads see the same engine. Nothing here imports torch until a model is loaded.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import UsageError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .outputs import RequestOutput
+    from .streaming import BackgroundJob
+
+NO_ENGINE = "no model loaded: run `%pagedkv load` (the embedded SmolLM2-135M-Instruct) or `%pagedkv load MODEL`"
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and ask glibc to hand freed heap pages back to the OS (no-op elsewhere)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def preflight(model: str | None, device: str, dtype: str) -> None:
+    """Catch a mistyped model, device or dtype before the current engine is unloaded for it.
+
+    Raises ValueError with the loader's wording; the full checks still happen while loading."""
+    from pathlib import Path
+
+    from .loader import ModelNotFoundError, embedded_gguf
+
+    if model is None:
+        embedded_gguf()
+    else:
+        path = Path(os.path.expanduser(model))
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise ModelNotFoundError(f"{path} has no config.json: pass a Hugging Face model folder")
+        elif model.count("/") <= 1 and not model.startswith((".", "/", "~")):
+            from huggingface_hub import try_to_load_from_cache
+            if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+                raise ModelNotFoundError(f"{model!r} is not a local folder and not in the local "
+                                         f"Hugging Face cache (no hub access at run time)")
+        else:
+            raise ModelNotFoundError(f"no model folder at {model}: check the path")
+    import torch
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here; use --device cpu or auto")
+    if dtype != "auto" and not isinstance(getattr(torch, dtype.replace("torch.", ""), None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+
+
+@dataclass
+class ChatSession:
+    """One multi-turn conversation, kept both as text and as the exact tokens the model saw.
+
+    The next turn's prompt is `token_ids` (previous prompt + the reply's tokens as generated) plus
+    the template's continuation, so the cached blocks of the previous turn match as a prefix; when
+    the template rewrites earlier turns (the kept tokens are no longer a prefix of the re-templated
+    text), the conversation is re-templated from text instead.
+    """
+
+    name: str
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    reused_tokens: bool = False   # whether the last prompt extended token_ids (vs re-templated)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.outputs)
+
+    def conversation(self, user_message: str) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages + [{"role": "user", "content": user_message}]
+
+    def prompt_ids(self, engine: Engine, user_message: str) -> list[int]:
+        """Token ids of the next prompt; extends the previous turn's tokens when the template allows."""
+        messages = self.conversation(user_message)
+        self.reused_tokens = False
+        if self.token_ids:
+            tok = engine.tokenizer
+            full = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            kept = tok.decode(self.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if full.startswith(kept):
+                suffix = tok(full[len(kept):], add_special_tokens=False).input_ids
+                self.reused_tokens = True
+                return self.token_ids + list(suffix)
+        return engine.apply_chat_template(messages)
+
+    def record(self, user_message: str, output: RequestOutput) -> None:
+        """Keep a finished turn; an aborted one is dropped as if never sent."""
+        if output.finish_reason == "abort":
+            return
+        self.messages += [{"role": "user", "content": user_message},
+                          {"role": "assistant", "content": output.text}]
+        self.token_ids = list(output.prompt_token_ids) + list(output.token_ids)
+        self.outputs.append(output)
+
+    def forget_tokens(self) -> None:
+        """After a model change the kept token ids mean nothing: re-template from text next turn."""
+        self.token_ids = []
+
+
+@dataclass
+class KernelSession:
+    """The engine of this kernel plus what the magics track around it."""
+
+    engine: Engine | None = None
+    chats: dict[str, ChatSession] = field(default_factory=dict)
+    jobs: list[BackgroundJob] = field(default_factory=list)
+    origins: dict[str, str] = field(default_factory=dict)   # request id -> "generate", "chat NAME", ...
+    rss_before_load: int = 0      # RSS after importing torch + transformers, before any weights
+    load_seconds: float = 0.0
+
+    def require_engine(self) -> Engine:
+        if self.engine is None:
+            raise UsageError(NO_ENGINE)
+        return self.engine
+
+    def load(self, model: str | None, progress: bool = True, **engine_kwargs: Any) -> Engine:
+        """Replace the engine: unload the old one first (its memory back), then load and start."""
+        preflight(model, engine_kwargs.get("device", "auto"), engine_kwargs.get("dtype", "auto"))
+        if self.engine is not None:
+            self.unload()
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        bar = tqdm(total=3, desc="importing torch + transformers", disable=not progress,
+                   bar_format="{desc}{n}/{total} |{bar}| {elapsed}")
+        try:
+            import torch  # noqa: F401  (the slow imports, shown as their own stage)
+            import transformers  # noqa: F401
+            if not self.rss_before_load:
+                self.rss_before_load = rss_bytes()   # the level `unload` should return to
+            bar.update()
+            bar.set_description(f"loading {model or 'SmolLM2-135M-Instruct'} + allocating the KV cache")
+            from .engine import Engine
+            engine = Engine.from_pretrained(model, **engine_kwargs)
+            bar.update()
+            bar.set_description("starting the engine thread")
+            engine.start()
+            bar.update()
+        finally:
+            bar.close()
+        self.engine = engine
+        self.load_seconds = time.perf_counter() - t0
+        for chat in self.chats.values():
+            chat.forget_tokens()
+        return engine
+
+    def unload(self) -> tuple[int, int]:
+        """Shut the engine down and drop every reference to it; returns RSS (before, after)."""
+        before = rss_bytes()
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return before, before
+        engine.shutdown()
+        for job in self.jobs:
+            job.wait(timeout=5.0)
+        self.jobs = [j for j in self.jobs if not j.done.is_set()]
+        del engine
+        release_freed_memory()
+        return before, rss_bytes()
+
+    def summary_line(self) -> str:
+        """Model, device, dtype, blocks x block size = capacity, bytes per block, KV memory."""
+        e = self.require_engine()
+        dtype = str(e.dtype).replace("torch.", "")
+        capacity = e.pool.num_blocks * e.block_size
+        return (f"{e.name} on {e.device.type} ({dtype}): {e.pool.num_blocks:,} blocks × {e.block_size} "
+                f"= {capacity:,} tokens of KV, {e.kv_cache.bytes_per_block:,} bytes per block, "
+                f"{format_bytes(e.kv_cache.nbytes)} KV memory, prefix caching "
+                f"{'on' if e.pool.enable_prefix_caching else 'off'}")
+
+    def chat(self, name: str) -> ChatSession:
+        return self.chats.setdefault(name, ChatSession(name))
+
+    def live_jobs(self) -> list[BackgroundJob]:
+        return [j for j in self.jobs if not j.done.is_set()]
+
+    def wait_background(self, timeout: float | None = None) -> bool:
+        """Block until every background job is done (tests, scripts); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in list(self.jobs):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.wait(left):
+                return False
+        return True
+
+
+_current: KernelSession | None = None
+
+
+def current() -> KernelSession:
+    """The session of this kernel, created on first use."""
+    global _current
+    if _current is None:
+        _current = KernelSession()
+    return _current

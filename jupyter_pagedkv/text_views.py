@@ -1,0 +1,56 @@
+"""Text views of the engine for `%pagedkv requests` and `%pagedkv monitor`: a request table and
+a block map, plain text so they read the same in a terminal, a notebook and a log."""
+from __future__ import annotations
+
+from .session import KernelSession
+
+
+def requests_table(session: KernelSession, engine) -> str:
+    """Live requests, then the last finished ones; chat sessions and background jobs below."""
+    rows = [("id", "source", "state", "prompt", "output", "blocks", "cached", "TTFT")]
+
+    def row(req, state: str) -> tuple:
+        seq = req.seqs[0]
+        ttft = req.metrics.ttft
+        return (req.request_id, session.origins.get(req.request_id, "python"), state,
+                str(len(req.prompt_token_ids)), str(seq.num_output_tokens),
+                str(len(seq.block_table.blocks)) if not seq.is_finished else "0",
+                "-" if seq.num_cached_tokens is None else str(seq.num_cached_tokens),
+                "-" if ttft is None else f"{ttft * 1e3:.0f} ms")
+
+    for req in engine.live_requests():
+        rows.append(row(req, req.seqs[0].status.value))
+    for req in list(engine.finished_requests)[-20:]:
+        state = "failed" if req.error is not None else f"done ({req.seqs[0].finish_reason})"
+        rows.append(row(req, state))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if len(rows) == 1:
+        lines.append("(no requests yet)")
+    if session.chats:
+        lines.append("")
+        lines.append("chat sessions:")
+        for chat in session.chats.values():
+            last = chat.outputs[-1].request_id if chat.outputs else "-"
+            lines.append(f"  {chat.name}: {chat.num_turns} turn{'s' if chat.num_turns != 1 else ''}, "
+                         f"{len(chat.token_ids)} tokens of conversation, last request {last}")
+    live = session.live_jobs()
+    if session.jobs:
+        lines.append("")
+        lines.append(f"background jobs: {len(live)} running, {len(session.jobs) - len(live)} done")
+    return "\n".join(lines)
+
+
+def block_map(snapshot: dict, width: int = 64, max_chars: int = 512) -> str:
+    """The pool as text, `width` characters per line: one per block, or per group of blocks when
+    the pool is larger than `max_chars` (a group shows its busiest state: shared > used > cached)."""
+    symbol = {"free": ".", "cached": "c", "used": "u", "shared": "s"}
+    rank = {"free": 0, "cached": 1, "used": 2, "shared": 3}
+    states = snapshot["states"]
+    group = max(1, -(-len(states) // max_chars))
+    chars = "".join(symbol[max(states[i:i + group], key=rank.__getitem__)]
+                    for i in range(0, len(states), group))
+    lines = [chars[i:i + width] for i in range(0, len(chars), width)]
+    scale = "one character per block" if group == 1 else f"one character per {group} blocks"
+    lines.append(f"legend ({scale}): . free  c cached (reusable prefix)  u used  s shared")
+    return "\n".join(lines)

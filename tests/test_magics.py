@@ -1,0 +1,377 @@
+"""The magics in an InteractiveShell (terminal mode: plain incremental prints), on the embedded model.
+
+One engine is loaded for the module; every test leaves it with no live request.
+"""
+from __future__ import annotations
+
+import _thread
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from jupyter_pagedkv import session as session_mod
+from jupyter_pagedkv.session import current, rss_bytes
+from jupyter_pagedkv.streaming import footer
+
+pytestmark = pytest.mark.slow
+
+GEN = "%%generate --max-tokens 8"
+
+
+@pytest.fixture(scope="module")
+def ip():
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "jupyter_pagedkv")
+    shell.run_line_magic("pagedkv", "load --kv-cache-memory 128MiB")
+    yield shell
+    if current().engine is not None:
+        current().unload()
+
+
+def run(ip, cell: str):
+    """Run a cell; re-raise what it raised (UsageError included) so tests can assert on it."""
+    result = ip.run_cell(cell)
+    if result.error_before_exec is not None:
+        raise result.error_before_exec
+    if result.error_in_exec is not None:
+        raise result.error_in_exec
+    return result.result
+
+
+@pytest.fixture(autouse=True)
+def engine_left_clean(request):
+    yield
+    engine = current().engine
+    if engine is not None and "ip" in request.fixturenames:
+        assert current().wait_background(120)
+        assert not engine.live_requests()
+        engine.check_invariants()
+        assert all(b.ref_count == 0 for b in engine.pool.blocks)
+
+
+def greedy_alone(prompt_text: str, max_tokens: int) -> str:
+    """The reference: the same chat-templated prompt, alone on the engine, greedy."""
+    from jupyter_pagedkv import SamplingParams
+
+    engine = current().engine
+    ids = engine.apply_chat_template([{"role": "user", "content": prompt_text}])
+    return engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].text
+
+
+# -- the extension itself -------------------------------------------------------------------------
+
+def test_loading_the_extension_does_not_import_torch_or_transformers():
+    code = ("import sys\nfrom IPython.testing.globalipapp import start_ipython\nip = start_ipython()\n"
+            "ip.run_line_magic('load_ext', 'jupyter_pagedkv')\n"
+            "assert 'pagedkv' in ip.magics_manager.magics['line']\n"
+            "assert 'generate' in ip.magics_manager.magics['cell']\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("[]")
+
+
+def test_every_magic_documents_its_options(ip):
+    assert "--kv-cache-memory" in ip.find_line_magic("pagedkv").__doc__
+    doc = ip.find_cell_magic("generate").__doc__
+    for option in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--n", "--beams",
+                   "--system", "--raw", "--stop", "--speculative", "--out", "--no-stream", "--background"):
+        assert option in doc, option
+    assert "--reset" in ip.find_cell_magic("chat").__doc__
+
+
+def test_without_an_engine_magics_say_to_load_one(ip, monkeypatch, capsys):
+    monkeypatch.setattr(session_mod, "_current", session_mod.KernelSession())
+    for cell in (f"{GEN}\nhello", "%%chat\nhello", "%pagedkv requests", "%pagedkv reset-cache"):
+        with pytest.raises(UsageError, match=r"no model loaded: run `%pagedkv load`"):
+            run(ip, cell)
+    run(ip, "%pagedkv status")
+    assert "no model loaded" in capsys.readouterr().out
+
+
+# -- %pagedkv ---------------------------------------------------------------------------------------
+
+def test_load_summary_line_states_the_kv_geometry(ip):
+    line = "loaded " + current().summary_line()
+    engine = current().engine
+    assert f"{engine.pool.num_blocks:,} blocks × 16 = {engine.pool.num_blocks * 16:,} tokens" in line
+    assert f"{46080 * 16:,} bytes per block" in line
+    assert "SmolLM2-135M-Instruct on cpu (float32)" in line
+
+
+def test_status_monitor_and_requests_show_the_pool(ip, capsys):
+    run(ip, f"{GEN} --out o\nSay hi.")
+    capsys.readouterr()
+    run(ip, "%pagedkv status")
+    status = capsys.readouterr().out
+    assert "blocks:" in status and "prefix cache:" in status and "engine thread: running" in status
+    run(ip, "%pagedkv monitor")
+    assert "legend (one character per block): . free  c cached" in capsys.readouterr().out
+    run(ip, "%pagedkv requests")
+    table = capsys.readouterr().out
+    rid = ip.user_ns["o"].request_id
+    row = next(line for line in table.splitlines() if line.startswith(rid + " "))
+    assert "generate" in row and "done (length)" in row and " ms" in row
+    assert table.splitlines()[0].split() == ["id", "source", "state", "prompt", "output", "blocks",
+                                             "cached", "TTFT"]
+
+
+def test_reset_cache_drops_cached_blocks(ip, capsys):
+    run(ip, f"{GEN}\nName a colour.")
+    assert current().engine.stats().num_cached > 0
+    run(ip, "%pagedkv reset-cache")
+    assert "prefix cache cleared" in capsys.readouterr().out
+    assert current().engine.stats().num_cached == 0
+
+
+@pytest.mark.parametrize("line, message", [
+    ("%pagedkv load --num-blocks 10 --kv-cache-memory 1MiB", "not both"),
+    ("%pagedkv load /no/such/model", "cannot load: no model folder at /no/such/model"),
+    ("%pagedkv load nobody/no-such-model", "not in the local Hugging Face cache"),
+    ("%pagedkv load --dtype float13", "unknown dtype 'float13'"),
+    pytest.param("%pagedkv load --device cuda", "no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    ("%pagedkv status --block-size 8", "only applies to `%pagedkv load`"),
+    ("%pagedkv frobnicate", "invalid choice"),
+])
+def test_bad_pagedkv_lines_are_one_usage_error(ip, line, message):
+    engine = current().engine
+    with pytest.raises(UsageError, match=message):
+        run(ip, line)
+    assert current().engine is engine and engine.is_running   # a typo does not cost the engine
+
+
+# -- %%generate -----------------------------------------------------------------------------------------
+
+def test_generate_streams_greedy_text_and_stores_it_with_out(ip, capsys):
+    run(ip, f"{GEN} --out answer\nWhat is the capital of France?")
+    printed = capsys.readouterr().out
+    out = ip.user_ns["answer"]
+    assert out.text == greedy_alone("What is the capital of France?", 8)
+    assert printed.startswith(out.text)
+    assert footer(out) in printed
+
+
+def test_generate_prints_text_incrementally_in_a_terminal(ip, monkeypatch):
+    from jupyter_pagedkv import streaming
+
+    writes: list[str] = []
+    original = streaming.PrintRenderer.__init__
+    monkeypatch.setattr(streaming.PrintRenderer, "__init__",
+                        lambda self, write=None: original(self, writes.append))
+    run(ip, "%%generate --max-tokens 6 --out o\nCount from one to ten.")
+    pieces = [w for w in writes if not w.startswith("\n[")]
+    assert len(pieces) >= 2, writes          # several increments, not one final print
+    assert "".join(pieces) == ip.user_ns["o"].text
+
+
+def test_separated_prompts_run_concurrently_with_labels(ip, capsys):
+    run(ip, f"{GEN} --out pair\nName a fruit.\n---\nName an animal.")
+    printed = capsys.readouterr().out
+    first, second = ip.user_ns["pair"]
+    assert "── [1] Name a fruit. ──" in printed and "── [2] Name an animal. ──" in printed
+    # Both were in the engine at once: each started before the other finished.
+    assert first.metrics.first_scheduled_time < second.metrics.finish_time
+    assert second.metrics.first_scheduled_time < first.metrics.finish_time
+    assert first.text == greedy_alone("Name a fruit.", 8)
+    assert second.text == greedy_alone("Name an animal.", 8)
+
+
+def test_braces_interpolate_user_variables(ip):
+    ip.user_ns["city"] = "Paris"
+    run(ip, f"{GEN} --out o\nWhat is {{city}} known for? Answer as JSON like {{\"a\": 1}}.")
+    prompt = current().engine.tokenizer.decode(ip.user_ns["o"].prompt_token_ids)
+    assert 'What is Paris known for? Answer as JSON like {"a": 1}.' in prompt
+
+
+def test_an_undefined_variable_is_a_usage_error(ip):
+    with pytest.raises(UsageError, match=r"\{nowhere\} but 'nowhere' is not defined"):
+        run(ip, f"{GEN}\nTell me about {{nowhere}}.")
+
+
+def test_system_and_raw_and_stop(ip):
+    run(ip, "%%generate --max-tokens 8 --system 'You are a pirate.' --out o\nGreet me.")
+    prompt = current().engine.tokenizer.decode(ip.user_ns["o"].prompt_token_ids)
+    assert "<|im_start|>system\nYou are a pirate.<|im_end|>" in prompt     # quotes removed
+    assert "<|im_start|>user\nGreet me.<|im_end|>" in prompt
+    run(ip, "%%generate --max-tokens 8 --raw --out r\nThe capital of France is")
+    assert ip.user_ns["r"].prompt_token_ids == current().engine.tokenizer("The capital of France is").input_ids
+    run(ip, "%%generate --max-tokens 16 --raw --stop ' ' --out s\nOne two three four")
+    assert ip.user_ns["s"].finish_reason == "stop" and " " not in ip.user_ns["s"].text.strip()
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--n 2", "--n > 1 .* not available yet"),
+    ("--beams 4", "--beams .* not available yet"),
+    ("--speculative ngram", "--speculative is not available yet"),
+    ("--temperature -1", "temperature must be >= 0"),
+    ("--max-tokens 0", "--max-tokens must be a positive integer"),
+    ("--top-p 2", "--top-p must be in"),
+    ("--out 2x", "not a valid variable name"),
+    ("--max-tokens many", "invalid int value"),
+    ("--system 'unclosed", "cannot read the options: No closing quotation"),
+])
+def test_bad_generate_options_are_one_usage_error(ip, option, message):
+    with pytest.raises(UsageError, match=message):
+        run(ip, f"%%generate {option}\nhello")
+
+
+def test_a_prompt_too_long_for_the_pool_is_a_usage_error(ip):
+    with pytest.raises(UsageError, match="lower max_tokens or load with more"):
+        run(ip, "%%generate --max-tokens 100000\nhello")
+
+
+def test_no_stream_prints_only_the_result(ip, monkeypatch):
+    from jupyter_pagedkv import streaming
+
+    writes: list[str] = []
+    original = streaming.PrintRenderer.__init__
+    monkeypatch.setattr(streaming.PrintRenderer, "__init__",
+                        lambda self, write=None: original(self, writes.append))
+    run(ip, "%%generate --max-tokens 6 --no-stream --out o\nCount from one to ten.")
+    assert writes[0] == ip.user_ns["o"].text
+
+
+# -- %%chat -----------------------------------------------------------------------------------------
+
+def test_second_chat_turn_hits_the_first_turn_in_the_prefix_cache(ip, capsys):
+    run(ip, "%%chat t --max-tokens 12 --out one\nMy name is Ada and I like prime numbers. Remember that.")
+    first = ip.user_ns["one"]
+    run(ip, "%%chat t --max-tokens 8 --out two\nWhat is my name?")
+    printed = capsys.readouterr().out
+    second = ip.user_ns["two"]
+    chat = current().chats["t"]
+    assert chat.reused_tokens                                  # the reply's tokens were kept as generated
+    assert second.prompt_token_ids[:len(first.prompt_token_ids) + len(first.token_ids)] == \
+        first.prompt_token_ids + first.token_ids
+    computed = len(first.prompt_token_ids) + len(first.token_ids) - 1   # the last token never ran
+    assert second.num_cached_tokens >= computed // 16 * 16 > 0
+    assert f"{second.num_cached_tokens}/{len(second.prompt_token_ids)} prompt tokens cached" in printed
+    assert "TTFT" in printed and "tok/s" in printed
+
+
+def test_chat_sessions_are_separate_and_listed(ip, capsys):
+    run(ip, "%%chat alpha --max-tokens 4\nHello.")
+    run(ip, "%%chat beta --max-tokens 4\nBonjour.")
+    assert current().chats["alpha"].messages[0]["content"] == "Hello."
+    assert current().chats["beta"].messages[0]["content"] == "Bonjour."
+    capsys.readouterr()
+    run(ip, "%pagedkv requests")
+    table = capsys.readouterr().out
+    assert "alpha: 1 turn" in table and "beta: 1 turn" in table and "chat alpha" in table
+
+
+def test_chat_reset_forgets_and_unknown_sessions_are_a_usage_error(ip):
+    run(ip, "%%chat gamma --max-tokens 4\nHello.")
+    run(ip, "%chat gamma --reset")
+    assert "gamma" not in current().chats
+    with pytest.raises(UsageError, match="no chat session 'nobody' to reset"):
+        run(ip, "%chat nobody --reset")
+    with pytest.raises(UsageError, match="no message"):
+        run(ip, "%chat gamma")
+
+
+# -- interrupt, background ---------------------------------------------------------------------------
+
+def interrupt_once_generating(origin: str) -> None:
+    """Ctrl-C (SIGINT to the main thread) once a request of `origin` has produced two tokens."""
+    engine = current().engine
+
+    def watch():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            mine = [r for r in engine.live_requests() if current().origins.get(r.request_id) == origin]
+            if mine and mine[0].seqs[0].num_output_tokens >= 2:
+                _thread.interrupt_main()
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
+    engine = current().engine
+    run(ip, "%%generate --max-tokens 40 --background --out survivor\nTell me about the sea.")
+    interrupt_once_generating("generate")
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run(ip, "%%generate --max-tokens 400\nWrite a long story.\n---\nWrite a long poem.")
+    assert time.monotonic() - t0 < 30
+    assert "interrupted: aborted 2 requests of this cell" in capsys.readouterr().err
+    assert [current().origins[r.request_id] for r in engine.live_requests()] == ["background"]
+    assert current().wait_background(120)
+    assert ip.user_ns["survivor"].finish_reason == "length"     # the background job kept running
+    assert not engine.live_requests()
+    engine.check_invariants()
+    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    run(ip, f"{GEN} --out after\nStill there?")                    # the engine keeps serving
+    assert ip.user_ns["after"].finish_reason == "length"
+
+
+def test_ctrl_c_in_a_chat_drops_the_turn_and_keeps_the_session(ip, capsys):
+    run(ip, "%%chat calm --max-tokens 4\nHello.")
+    before = list(current().chats["calm"].messages)
+    interrupt_once_generating("chat calm")
+    with pytest.raises(KeyboardInterrupt):
+        run(ip, "%%chat calm --max-tokens 400\nTell me a very long story.")
+    assert "interrupted: aborted 1 request of this cell" in capsys.readouterr().err
+    assert current().chats["calm"].messages == before
+    engine = current().engine
+    assert not engine.live_requests() and all(b.ref_count == 0 for b in engine.pool.blocks)
+    run(ip, "%%chat calm --max-tokens 4 --out o\nStill there?")
+    assert len(current().chats["calm"].messages) == len(before) + 2
+
+
+def test_background_requests_share_the_engine_with_a_foreground_cell(ip, capsys):
+    prompts = ["Name a planet.", "Name a river.", "Name a mountain."]
+    run(ip, f"{GEN} --background --out bg1\n{prompts[0]}")
+    run(ip, f"{GEN} --background --out bg2\n{prompts[1]}")
+    assert "running; the result prints here when done" in capsys.readouterr().out
+    run(ip, f"{GEN} --out fg\n{prompts[2]}")
+    assert current().wait_background(120)
+    outs = [ip.user_ns["bg1"], ip.user_ns["bg2"], ip.user_ns["fg"]]
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    assert [o.text for o in outs] == [greedy_alone(p, 8) for p in prompts]
+    assert "background req-" in capsys.readouterr().out
+
+
+def test_pagedkv_bench_runs_the_bench_module_in_a_subprocess(ip, capsys):
+    run(ip, "%pagedkv bench --help")
+    assert "usage: python -m jupyter_pagedkv.bench" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="the benchmark exited with status 2"):
+        run(ip, "%pagedkv bench no-such-bench")
+
+
+# -- reload, unload (last: they take the module's engine away) ------------------------------------------
+
+def test_loading_again_replaces_the_engine_cleanly(ip, capsys):
+    run(ip, "%%chat keep --max-tokens 4\nHello.")
+    old = current().engine
+    run(ip, "%pagedkv load --kv-cache-memory 64MiB --block-size 8")
+    new = current().engine
+    assert new is not old and not old.is_running and old.model is None   # shut down, weights dropped
+    assert new.block_size == 8 and new.is_running
+    assert current().chats["keep"].token_ids == []     # old token ids are re-templated on the new model
+    run(ip, "%%chat keep --max-tokens 4 --out o\nAgain.")
+    assert [m["content"] for m in current().chats["keep"].messages][::2] == ["Hello.", "Again."]
+
+
+def test_unload_gives_the_memory_back(ip, capsys):
+    current().unload()
+    base = rss_bytes()
+    run(ip, "%pagedkv load --kv-cache-memory 128MiB")
+    run(ip, f"{GEN}\nHello.")                   # a forward touches every weight page
+    loaded = rss_bytes()
+    run(ip, "%pagedkv unload")
+    after = rss_bytes()
+    assert "unloaded SmolLM2-135M-Instruct: process memory" in capsys.readouterr().out
+    assert current().engine is None
+    assert loaded - base > 400 << 20            # the 540 MB of fp32 weights were resident
+    assert after - base < 64 << 20, (base >> 20, loaded >> 20, after >> 20)
