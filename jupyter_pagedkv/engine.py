@@ -414,13 +414,9 @@ class Engine:
                request_id: str | None = None) -> Iterator[StreamDelta]:
         """Yield text increments as they are generated; closing the iterator aborts the request."""
         listener: queue.SimpleQueue = queue.SimpleQueue()
-        rid = self.add_request(prompt, params, request_id)
+        rid = self.add_request(prompt, params, request_id, listener=listener)
         with self._lock:
-            req = self._requests.get(rid)
-            if req is not None:
-                req.listeners.append(listener)
-            else:
-                req = next(r for r in self.finished_requests if r.request_id == rid)
+            req = self._requests.get(rid) or next(r for r in self.finished_requests if r.request_id == rid)
         try:
             while True:
                 if not self.is_running:
