@@ -233,10 +233,10 @@ class PagedKVMagics(Magics):
             raise UsageError("--beams (beam search) is not available yet: drop it (greedy is the default)")
         if args.speculative is not None:
             raise UsageError("--speculative is not available yet: drop it (generation is exact without it)")
-        if args.n != 1:
-            raise UsageError("--n > 1 (parallel samples) is not available yet: run the cell again "
-                             "with --seed S, or use --n 1")
         params = self._params(args)
+        params.n = args.n
+        if args.n < 1:
+            raise UsageError(f"--n must be >= 1, got {args.n}")
         texts = split_prompts(interpolate(cell, self.shell.user_ns))
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
         if args.system is not None and (args.raw or not has_template):

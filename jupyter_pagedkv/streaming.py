@@ -39,7 +39,7 @@ class Panel:
 def footer(out: RequestOutput) -> str:
     """One line: tokens generated, cached / prompt tokens, TTFT, decode speed, finish reason."""
     m = out.metrics
-    n = len(out.token_ids)
+    n = sum(len(o.token_ids) for o in out.outputs)
     ttft = f"{m.ttft * 1e3:.0f} ms" if m.ttft is not None else "-"
     tpot = m.tpot
     speed = f"{1.0 / tpot:.1f} tok/s" if tpot else "-"
@@ -96,7 +96,10 @@ class CellRun:
         panel.text += delta.text
         if delta.finished:
             panel.output = delta.output
-            panel.text = delta.output.text
+            samples = delta.output.outputs
+            # n > 1: sample 1 streamed; the others share its prompt blocks and appear after it.
+            panel.text = "\n\n".join([samples[0].text] + [f"({o.index + 1}/{len(samples)}) {o.text}"
+                                                             for o in samples[1:]])
 
     def abort(self, render: Renderer | None = None) -> int:
         """Abort the unfinished requests of this cell; returns how many were still live.

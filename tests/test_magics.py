@@ -208,7 +208,7 @@ def test_system_and_raw_and_stop(ip):
 
 
 @pytest.mark.parametrize("option, message", [
-    ("--n 2", "--n > 1 .* not available yet"),
+    ("--n 0", "--n must be >= 1"),
     ("--beams 4", "--beams .* not available yet"),
     ("--speculative ngram", "--speculative is not available yet"),
     ("--temperature -1", "temperature must be >= 0"),
@@ -221,6 +221,17 @@ def test_system_and_raw_and_stop(ip):
 def test_bad_generate_options_are_one_usage_error(ip, option, message):
     with pytest.raises(UsageError, match=message):
         run(ip, f"%%generate {option}\nhello")
+
+
+def test_n_samples_all_appear_and_are_stored(ip, capsys):
+    run(ip, "%%generate --max-tokens 6 --n 3 --temperature 0.9 --seed 7 --out samples\nName a colour.")
+    printed = capsys.readouterr().out
+    out = ip.user_ns["samples"]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert printed.startswith(out.outputs[0].text)
+    for o in out.outputs[1:]:
+        assert f"({o.index + 1}/3) {o.text}" in printed
+    assert f"[{sum(len(o.token_ids) for o in out.outputs)} tokens generated" in printed
 
 
 def test_a_prompt_too_long_for_the_pool_is_a_usage_error(ip):
