@@ -74,7 +74,10 @@ class Engine:
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  preemption_mode: str = "recompute", allocator: str = "paged",
                  max_model_len: int | None = None, attention_backend: str = "auto",
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, swap_space: str | int | None = None,
+                 speculative: str | None = None, num_speculative_tokens: int = 4) -> None:
+        if speculative is not None:
+            raise ValueError(f"speculative={speculative!r} is not available yet: leave it None")
         if preemption_mode != "recompute":
             raise ValueError(f"preemption_mode {preemption_mode!r} is not available yet: use 'recompute'")
         if allocator != "paged":

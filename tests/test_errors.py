@@ -63,6 +63,17 @@ def test_unknown_model_is_one_line(tmp_path):
         Engine.from_pretrained(str(tmp_path / "missing" / "dir"))
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(speculative="ngram"), "speculative"),
+    (dict(preemption_mode="swap", swap_space="1GiB"), "preemption_mode"),
+    (dict(allocator="contiguous"), "allocator"),
+    (dict(attention_backend="cuda-magic"), "backend"),
+])
+def test_designed_options_not_built_yet_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(MODEL, None, num_blocks=8, **kwargs)
+
+
 def test_kv_memory_too_small_for_one_block_is_refused():
     with pytest.raises(ValueError, match="holds no block"):
         Engine(MODEL, None, kv_cache_memory="1KiB")
