@@ -1,6 +1,8 @@
 """SamplingParams(n=N): the prompt is prefilled once and its blocks are shared by N samples."""
 from __future__ import annotations
 
+import torch
+
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
 
@@ -54,3 +56,26 @@ def test_parallel_samples_survive_preemption(make_engine):
     out = engine.generate([PROMPT], SamplingParams(n=3, max_tokens=20, temperature=0.0, ignore_eos=True))[0]
     assert engine.stats().num_preemptions > 0
     assert all(o.token_ids == ref for o in out.outputs)
+
+
+def test_copy_on_write_never_changes_a_siblings_kv(make_engine):
+    engine = make_engine(MODEL, block_size=4, enable_prefix_caching=False)
+    rid = engine.add_request(PROMPT, SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=9,
+                                                    ignore_eos=True))
+    engine.step()                                     # prefill, fork: 3 tables share 7 blocks
+    seqs = engine._requests[rid].seqs
+    shared = [b.block_id for b in seqs[0].block_table.blocks]
+    k0, v0 = engine.kv_cache.k[:, shared].clone(), engine.kv_cache.v[:, shared].clone()
+    for _ in range(6):
+        engine.step()                                 # each sample writes into its own copy
+    tails = [s.block_table.blocks[6].block_id for s in seqs]
+    # Two samples copied the shared tail; the last holder of the original writes into it in place.
+    assert len(set(tails)) == 3 and shared[6] in tails and not set(tails) & set(shared[:6])
+    # The shared blocks were never written: their KV is bit-identical to the fork moment ...
+    assert torch.equal(engine.kv_cache.k[:, shared[:6]], k0[:, :6])
+    assert torch.equal(engine.kv_cache.v[:, shared[:6]], v0[:, :6])
+    # ... and every copied tail starts with the 3 prompt slots it copied, unchanged.
+    for t in tails:
+        assert torch.equal(engine.kv_cache.k[:, t, :3], k0[:, 6, :3])
+        assert torch.equal(engine.kv_cache.v[:, t, :3], v0[:, 6, :3])
+    engine.abort(rid)
