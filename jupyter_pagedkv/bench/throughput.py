@@ -32,13 +32,12 @@ def run_ours(model, tokenizer, prompts, limits, step_log: list) -> list[list[int
            for p, m in zip(prompts, limits)]
     done = {}
     while engine.has_unfinished_requests():
+        running = len(engine.scheduler.running)     # sequences decoding in this step
         t0 = time.perf_counter()
-        running = len(engine.scheduler.running) + min(len(engine.scheduler.waiting), 0)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        step_log.append((time.perf_counter() - t0, engine.runner.last_forward_s,
-                         len(engine.scheduler.running) or running))
+        step_log.append((time.perf_counter() - t0, engine.runner.last_forward_s, running))
     engine.check_invariants()
     return [done[i] for i in ids]
 
