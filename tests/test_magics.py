@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import subprocess
+import signal
 import sys
 import threading
 import time
@@ -291,8 +292,18 @@ def test_chat_reset_forgets_and_unknown_sessions_are_a_usage_error(ip):
 
 # -- interrupt, background ---------------------------------------------------------------------------
 
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler, whatever this process inherited: a test runner started in the
+    background of a non-interactive shell ignores SIGINT, and `interrupt_main` then does nothing."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 def interrupt_once_generating(origin: str) -> None:
     """Ctrl-C (SIGINT to the main thread) once a request of `origin` has produced two tokens."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "use the sigint_raises fixture"
     engine = current().engine
 
     def watch():
@@ -307,7 +318,7 @@ def interrupt_once_generating(origin: str) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
+def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys, sigint_raises):
     engine = current().engine
     run(ip, "%%generate --max-tokens 40 --background --out survivor\nTell me about the sea.")
     interrupt_once_generating("generate")
@@ -326,7 +337,7 @@ def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys):
     assert ip.user_ns["after"].finish_reason == "length"
 
 
-def test_ctrl_c_in_a_chat_drops_the_turn_and_keeps_the_session(ip, capsys):
+def test_ctrl_c_in_a_chat_drops_the_turn_and_keeps_the_session(ip, capsys, sigint_raises):
     run(ip, "%%chat calm --max-tokens 4\nHello.")
     before = list(current().chats["calm"].messages)
     interrupt_once_generating("chat calm")
