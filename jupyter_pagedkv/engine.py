@@ -78,8 +78,8 @@ class Engine:
                  speculative: str | None = None, num_speculative_tokens: int = 4) -> None:
         if speculative is not None:
             raise ValueError(f"speculative={speculative!r} is not available yet: leave it None")
-        if preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode {preemption_mode!r} is not available yet: use 'recompute'")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if allocator != "paged":
             raise ValueError(f"allocator {allocator!r} is not available yet: use 'paged'")
         if block_size < 1:
@@ -101,7 +101,16 @@ class Engine:
             raise ValueError("the KV cache holds no block: give more kv_cache_memory or num_blocks")
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache = KVCache(self.spec, num_blocks, block_size, self.device)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens)
+        self.swap = None
+        if preemption_mode == "swap":
+            from .swap_space import SwapSpace
+            num_slots = parse_size(swap_space if swap_space is not None else "1GiB") // self.kv_cache.bytes_per_block
+            if num_slots < 1:
+                raise ValueError("swap_space holds no block: give at least one block's worth, e.g. '64MiB'")
+            self.kv_cache.allocate_swap(num_slots)
+            self.swap = SwapSpace(num_slots)
+        self.preemption_mode = preemption_mode
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, swap=self.swap)
         from .kernels_bridge import resolve_backend
         backend = resolve_backend(self.device, None if attention_backend == "auto" else attention_backend)
         self.runner = ModelRunner(model, self.kv_cache, self.device, backend)
@@ -240,7 +249,8 @@ class Engine:
                     raise RuntimeError("the scheduler could not run any request: the pool is too small")
                 return []
             try:
-                sampling, logits = self.runner.execute(sched.chunks, sched.copies)
+                sampling, logits = self.runner.execute(sched.chunks, sched.copies,
+                                                       sched.swap_out, sched.swap_in)
             except BaseException as err:
                 self._fail_all(err)
                 raise
@@ -560,8 +570,10 @@ class Engine:
                 internal_waste=num_used * bs - tokens_stored,
                 prefix_cache_queries=pool.prefix_cache_queries, prefix_cache_hits=pool.prefix_cache_hits,
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                num_preempted=sum(1 for s in self.scheduler.waiting if s.num_preemptions),
-                num_preemptions=self.scheduler.num_preemptions, num_swapped_blocks=0,
+                num_preempted=sum(1 for s in self.scheduler.waiting if s.num_preemptions)
+                + len(self.scheduler.swapped),
+                num_preemptions=self.scheduler.num_preemptions,
+                num_swapped_blocks=self.swap.num_used if self.swap is not None else 0,
                 tokens_per_s=tps, num_generated_tokens=self.num_generated_tokens,
                 num_finished=len(self.finished_requests),
                 latency_percentiles=self._percentiles(),
@@ -610,14 +622,21 @@ class Engine:
                 assert len(table.blocks) == -(-table.num_slots // bs), (
                     f"{seq.request_id}: {len(table.blocks)} blocks for {table.num_slots} slots "
                     f"(invariant 5: waste must stay under one block)")
-                assert seq.num_computed_tokens <= table.num_slots, (
-                    f"{seq.request_id}: computed tokens without slots")
+                slots = seq.swapped_num_slots if seq.status is SequenceStatus.SWAPPED else table.num_slots
+                assert seq.num_computed_tokens <= slots, f"{seq.request_id}: computed tokens without slots"
                 for i, block in enumerate(table.blocks):
                     if block.block_hash is not None:
                         assert list(block.token_ids) == seq.token_ids[i * bs:(i + 1) * bs], (
                             f"{seq.request_id}: block {block.block_id} content differs from its hash "
                             f"(invariant 3)")
             self.pool.check_invariants(expected)
+            if self.swap is not None:
+                held = [slot for seq in self.scheduler.swapped for slot in seq.swap_slots]
+                assert len(held) == len(set(held)) == self.swap.num_used, (
+                    f"swap space: {self.swap.num_used} slots in use but swapped sequences hold {len(held)}")
+            for seq in self.scheduler.swapped:
+                assert not seq.block_table.blocks and seq.swap_slots, (
+                    f"{seq.request_id}: swapped but holds device blocks or no host slots")
             if not live:
                 assert all(b.ref_count == 0 for b in self.pool.blocks), "blocks referenced with no request"
 

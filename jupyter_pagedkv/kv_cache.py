@@ -63,6 +63,30 @@ class KVCache:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
+    def allocate_swap(self, num_slots: int) -> None:
+        """Host buffers of `num_slots` whole blocks (pinned when the cache lives on a GPU)."""
+        pin = self.k.device.type == "cuda"
+        shape = (self.spec.num_layers, num_slots, self.block_size, self.spec.num_kv_heads,
+                 self.spec.head_dim)
+        self.host_k = torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin)
+        self.host_v = torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host slots: pairs of (block, slot)."""
+        if pairs:
+            blocks = torch.tensor([p[0] for p in pairs], device=self.k.device)
+            slots = torch.tensor([p[1] for p in pairs])
+            self.host_k[:, slots] = self.k[:, blocks].to("cpu")
+            self.host_v[:, slots] = self.v[:, blocks].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host slots back into device blocks: pairs of (slot, block)."""
+        if pairs:
+            slots = torch.tensor([p[0] for p in pairs])
+            blocks = torch.tensor([p[1] for p in pairs], device=self.k.device)
+            self.k[:, blocks] = self.host_k[:, slots].to(self.k.device, non_blocking=True)
+            self.v[:, blocks] = self.host_v[:, slots].to(self.k.device, non_blocking=True)
+
     def release(self) -> None:
         """Drop the tensors so their memory returns to the allocator (unload)."""
-        self.k = self.v = torch.empty(0)
+        self.k = self.v = self.host_k = self.host_v = torch.empty(0)

@@ -94,17 +94,22 @@ class ModelRunner:
         return ordered, inputs
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]]
+    def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]],
+                swap_out: list[tuple[int, int]] = (), swap_in: list[tuple[int, int]] = ()
                 ) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run one step; returns the sampling chunks and their logits `[num_sampling, vocab]`, in order."""
         if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             # Someone (a test, a peer benchmark) switched the model back to another attention.
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        # Order matters: swapped-out blocks are read before anything reuses them, then
+        # copy-on-write, then swapped-in blocks land in their fresh blocks.
+        self.kv_cache.swap_out(list(swap_out))
         if copies and self.backend == "triton":
             from .kernels_bridge import copy_blocks_triton
             copy_blocks_triton(self.kv_cache.k, self.kv_cache.v, copies)
         else:
             self.kv_cache.copy_blocks(copies)
+        self.kv_cache.swap_in(list(swap_in))
         ordered, inputs = self.prepare(chunks)
         t0 = time.perf_counter()
         out = self.model(**inputs, use_cache=False)

@@ -1,9 +1,11 @@
 """Scheduler: iteration-level (continuous) batching over the BlockPool.
 
 Every step it first advances running sequences (decodes and unfinished prefill chunks, oldest
-first), preempting the newest running sequence by recompute when a block cannot be had, then
-admits waiting sequences in arrival order while the token budget, the sequence cap and free
-blocks (above a small watermark) allow. Prefix-cache hits are taken at admission.
+first), preempting the lowest-priority (then newest) running sequence when a block cannot be
+had — by swap when a SwapSpace has room, else by recompute — then swaps sequences back in, and
+only when none waits in swap admits waiting sequences in arrival order while the token budget,
+the sequence cap and free blocks (above a small watermark) allow. Prefix-cache hits are taken at
+admission.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .block_pool import BlockPool, NoFreeBlocksError
 from .sequence import Sequence, SequenceStatus
+from .swap_space import SwapSpace
 
 
 @dataclass(slots=True)
@@ -32,6 +35,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write (src, dst)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, device block)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -45,7 +50,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, swap: SwapSpace | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.pool = pool
@@ -54,7 +59,10 @@ class Scheduler:
         self.watermark_blocks = int(watermark * pool.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.swap = swap
         self.num_preemptions = 0
+        self.num_swap_outs = 0
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -67,16 +75,20 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap.free(seq.swap_slots)
+            seq.swap_slots = []
         seq.block_table.free()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
     @property
     def live(self) -> list[Sequence]:
-        return [*self.running, *self.waiting]
+        return [*self.running, *self.waiting, *self.swapped]
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.swapped)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -98,7 +110,16 @@ class Scheduler:
         if out.preempted:
             gone = {s.seq_id for s in out.preempted}
             out.chunks = [c for c in out.chunks if c.seq.seq_id not in gone]
-            return out   # no admissions in a step that had to preempt
+            return out   # no swap-ins or admissions in a step that had to preempt
+
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            chunk = self._swap_in(self.swapped[0], budget, out)
+            if chunk is None:
+                break
+            out.chunks.append(chunk)
+            budget -= chunk.num_tokens
+        if self.swapped:
+            return out   # swapped sequences come back before anything new is admitted
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -120,20 +141,52 @@ class Scheduler:
                 return True
             except NoFreeBlocksError:
                 victim = max(self.running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
-                self.preempt(victim)
+                self.preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is seq:
                     return False
 
-    def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free the blocks (cached ones may hit again), requeue at the front."""
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Swap the sequence's blocks to host memory if the SwapSpace has room for all of them;
+        otherwise recompute: free the blocks (cached ones may hit again), requeue at the front."""
         self.running.remove(seq)
-        seq.block_table.free()
-        seq.num_computed_tokens = 0
+        self.num_preemptions += 1
         seq.num_preemptions += 1
+        table = seq.block_table
+        slots = self.swap.allocate(len(table.blocks)) if self.swap is not None else None
+        if slots is not None:
+            out.swap_out.extend(zip(table.block_ids, slots))
+            seq.swap_slots, seq.swapped_num_slots = slots, table.num_slots
+            table.free()
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_swap_outs += 1
+            return
+        table.free()
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
+        """Bring a swapped sequence back into fresh blocks and schedule its next chunk, if it fits."""
+        assert not out.swap_out, "a host slot freed here could be overwritten by a swap-out"
+        pool, bs = self.pool, self.pool.block_size
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        needed = max(len(seq.swap_slots), -(-(seq.num_computed_tokens + n) // bs))
+        watermark = self.watermark_blocks if self.running else 0
+        if needed > pool.num_free - watermark:
+            return None
+        table = seq.block_table
+        table.blocks = [pool.allocate() for _ in seq.swap_slots]
+        table.num_slots = seq.swapped_num_slots
+        out.swap_in.extend(zip(seq.swap_slots, table.block_ids))
+        self.swap.free(seq.swap_slots)
+        seq.swap_slots = []
+        self.swapped.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        table.grow(seq.num_computed_tokens + n, out.copies)
+        return ScheduledChunk(seq, seq.num_computed_tokens, n)
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
         pool, bs = self.pool, self.pool.block_size

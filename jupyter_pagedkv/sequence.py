@@ -20,6 +20,7 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # not admitted yet, or preempted by recompute
     RUNNING = "running"
+    SWAPPED = "swapped"      # preempted by swap: its KV waits in host memory
     FINISHED = "finished"
 
 
@@ -47,6 +48,8 @@ class Sequence:
     text: str = ""
     extra_key: object = None
     sample_index: int = 0   # which of a request's n samples this is
+    swap_slots: list[int] = field(default_factory=list)   # host slots, in block-table order
+    swapped_num_slots: int = 0                           # table.num_slots when swapped out
 
     @property
     def num_tokens(self) -> int:

@@ -65,7 +65,8 @@ def test_unknown_model_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(speculative="ngram"), "speculative"),
-    (dict(preemption_mode="swap", swap_space="1GiB"), "preemption_mode"),
+    (dict(preemption_mode="lru"), "preemption_mode"),
+    (dict(preemption_mode="swap", swap_space="1KiB"), "swap_space"),
     (dict(allocator="contiguous"), "allocator"),
     (dict(attention_backend="cuda-magic"), "backend"),
 ])

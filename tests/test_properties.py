@@ -6,8 +6,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
 from jupyter_pagedkv import Engine, SamplingParams
+from jupyter_pagedkv.kv_cache import KVSpec
 
 MODEL = tiny_model("llama", vocab=64, seed=5)
+BYTES_PER_TOKEN = KVSpec.from_config(MODEL.config, torch.float32).bytes_per_token
 
 op = st.one_of(
     st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.integers(0, 3)),
@@ -22,11 +24,15 @@ op = st.one_of(
        block_size=st.sampled_from([1, 2, 4, 8]),
        num_blocks=st.integers(12, 40),
        budget=st.integers(4, 64),
-       prefix_caching=st.booleans())
-def test_random_interleavings_keep_invariants(ops, block_size, num_blocks, budget, prefix_caching):
+       prefix_caching=st.booleans(),
+       swap_blocks=st.sampled_from([0, 3, 40]))     # 0: recompute; 3: swap space often full
+def test_random_interleavings_keep_invariants(ops, block_size, num_blocks, budget, prefix_caching,
+                                              swap_blocks):
+    swap = dict(preemption_mode="swap", swap_space=swap_blocks * block_size * BYTES_PER_TOKEN) \
+        if swap_blocks else {}
     engine = Engine(MODEL, None, block_size=block_size, num_blocks=num_blocks,
                     max_num_batched_tokens=budget, max_num_seqs=6,
-                    enable_prefix_caching=prefix_caching)
+                    enable_prefix_caching=prefix_caching, **swap)
     shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]   # common prefixes make cache hits
     ids: list[str] = []
     for o in ops:
@@ -54,3 +60,4 @@ def test_random_interleavings_keep_invariants(ops, block_size, num_blocks, budge
         engine.check_invariants()
     assert all(b.ref_count == 0 for b in engine.pool.blocks)
     assert engine.pool.num_free == num_blocks
+    assert engine.swap is None or engine.swap.num_used == 0
