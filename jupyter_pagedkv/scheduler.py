@@ -67,7 +67,16 @@ class Scheduler:
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq)
+
+    @staticmethod
+    def _enqueue(queue: deque[Sequence], seq: Sequence) -> None:
+        """Keep `queue` ordered by (priority, arrival): lower priority numbers go first, then FCFS."""
+        key = (seq.priority, seq.arrival_time, seq.seq_id)
+        i = len(queue)
+        while i and (queue[i - 1].priority, queue[i - 1].arrival_time, queue[i - 1].seq_id) > key:
+            i -= 1
+        queue.insert(i, seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (stop, length or abort) and return its blocks at once."""
@@ -159,13 +168,13 @@ class Scheduler:
             seq.swap_slots, seq.swapped_num_slots = slots, table.num_slots
             table.free()
             seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq)
+            self._enqueue(self.swapped, seq)
             self.num_swap_outs += 1
             return
         table.free()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(self.waiting, seq)   # ahead of everything newer of its priority
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
         """Bring a swapped sequence back into fresh blocks and schedule its next chunk, if it fits."""

@@ -109,3 +109,26 @@ def test_generate_returns_outputs_in_prompt_order(make_engine, use_tqdm):
     engine = make_engine(MODEL)
     outs = engine.generate(PROMPTS, GREEDY, use_tqdm=use_tqdm)
     assert [o.prompt_token_ids for o in outs] == PROMPTS
+
+
+def test_lower_priority_numbers_are_admitted_first(make_engine):
+    engine = make_engine(MODEL, max_num_seqs=1)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    late = [engine.add_request(p, params, priority=1) for p in PROMPTS[:2]]
+    urgent = engine.add_request(PROMPTS[2], params, priority=0)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == [urgent, *late]
+
+
+def test_preemption_takes_the_lowest_priority_first(make_engine):
+    engine = make_engine(MODEL, block_size=4, num_blocks=12)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    background = engine.add_request(list(range(3, 15)), params, priority=5)   # older, less urgent
+    engine.step()
+    urgent = engine.add_request(list(range(20, 32)), params, priority=0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    seqs = {r.request_id: r.seqs[0] for r in engine.finished_requests}
+    assert seqs[background].num_preemptions > 0 and seqs[urgent].num_preemptions == 0
