@@ -160,13 +160,20 @@ def test_generate_streams_greedy_text_and_stores_it_with_out(ip, capsys):
     assert footer(out) in printed
 
 
-def test_generate_prints_text_incrementally_in_a_terminal(ip, monkeypatch):
+@pytest.fixture
+def terminal_writes(monkeypatch) -> list[str]:
+    """Every string the terminal renderer writes, in order."""
     from jupyter_pagedkv import streaming
 
     writes: list[str] = []
     original = streaming.PrintRenderer.__init__
     monkeypatch.setattr(streaming.PrintRenderer, "__init__",
                         lambda self, write=None: original(self, writes.append))
+    return writes
+
+
+def test_generate_prints_text_incrementally_in_a_terminal(ip, terminal_writes):
+    writes = terminal_writes
     run(ip, "%%generate --max-tokens 6 --out o\nCount from one to ten.")
     pieces = [w for w in writes if not w.startswith("\n[")]
     assert len(pieces) >= 2, writes          # several increments, not one final print
@@ -240,13 +247,8 @@ def test_a_prompt_too_long_for_the_pool_is_a_usage_error(ip):
         run(ip, "%%generate --max-tokens 100000\nhello")
 
 
-def test_no_stream_prints_only_the_result(ip, monkeypatch):
-    from jupyter_pagedkv import streaming
-
-    writes: list[str] = []
-    original = streaming.PrintRenderer.__init__
-    monkeypatch.setattr(streaming.PrintRenderer, "__init__",
-                        lambda self, write=None: original(self, writes.append))
+def test_no_stream_prints_only_the_result(ip, terminal_writes):
+    writes = terminal_writes
     run(ip, "%%generate --max-tokens 6 --no-stream --out o\nCount from one to ten.")
     assert writes[0] == ip.user_ns["o"].text
 

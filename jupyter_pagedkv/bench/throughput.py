@@ -87,8 +87,8 @@ def run_hf_continuous(model, prompts, limits) -> list[list[int]]:
                 results[r.request_id] = r.generated_tokens
     finally:
         manager.stop(block=True)
-        model.destroy_cached_continuous_batching_manager() if hasattr(
-            model, "destroy_cached_continuous_batching_manager") else None
+        if hasattr(model, "destroy_cached_continuous_batching_manager"):
+            model.destroy_cached_continuous_batching_manager()
     return [results[i] for i in ids]
 
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} alternating rounds, medians")
     with torch.inference_mode():
         # Warm-up: first calls pay one-off costs (allocator, lazy inits) that are not throughput.
-        for name, (fn, _) in systems.items():
+        for name in systems:
             _warm(name, ours_model, peer_model, tokenizer, prompts, limits)
         times: dict[str, list[float]] = {n: [] for n in systems}
         outputs: dict[str, list[list[int]]] = {}
