@@ -118,6 +118,15 @@ class BlockPool:
         block.ref_count = 1
         return block
 
+    def take(self, block_id: int) -> Block:
+        """Allocate one particular free block (the contiguous baseline places runs itself)."""
+        block = self.blocks[block_id]
+        self.free_queue.remove(block)
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_count = 1
+        return block
+
     def incref(self, block: Block) -> None:
         """Share a block (fork or prefix hit); a cached free block leaves the free queue."""
         if block.ref_count == 0:

@@ -5,6 +5,7 @@ widgets and a background stepping thread can share one engine safely.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import queue
@@ -19,13 +20,14 @@ import torch
 
 from .block_pool import BlockPool
 from .block_table import BlockTable
+from .contiguous import ContiguousArena
 from .kv_cache import KVCache, KVSpec
 from .loader import load_model
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamDelta
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepRecord
 from .sequence import Sequence, SequenceStatus
 
 Prompt = str | list[int]
@@ -80,8 +82,8 @@ class Engine:
             raise ValueError(f"speculative={speculative!r} is not available yet: leave it None")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if allocator != "paged":
-            raise ValueError(f"allocator {allocator!r} is not available yet: use 'paged'")
+        if allocator not in ("paged", "contiguous"):
+            raise ValueError(f"allocator must be 'paged' or 'contiguous' (the baseline), got {allocator!r}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -99,7 +101,9 @@ class Engine:
             num_blocks = budget // (self.spec.bytes_per_token * block_size)
         if num_blocks < 1:
             raise ValueError("the KV cache holds no block: give more kv_cache_memory or num_blocks")
-        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.allocator = allocator
+        # The contiguous baseline shares nothing, so it caches no prefix either.
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching and allocator == "paged")
         self.kv_cache = KVCache(self.spec, num_blocks, block_size, self.device)
         self.swap = None
         if preemption_mode == "swap":
@@ -110,7 +114,10 @@ class Engine:
             self.kv_cache.allocate_swap(num_slots)
             self.swap = SwapSpace(num_slots)
         self.preemption_mode = preemption_mode
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, swap=self.swap)
+        arena = ContiguousArena(self.pool) if allocator == "contiguous" else None
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, swap=self.swap,
+                                   arena=arena, max_model_len=self.max_model_len)
+        self.trace: list[StepRecord] | None = None   # set to [] to record every step's schedule
         from .kernels_bridge import resolve_backend
         backend = resolve_backend(self.device, None if attention_backend == "auto" else attention_backend)
         self.runner = ModelRunner(model, self.kv_cache, self.device, backend)
@@ -172,6 +179,9 @@ class Engine:
         under the lock, means a background step can never run before it is in place."""
         params = params or SamplingParams()
         params.validate()
+        if params.n > 1 and self.allocator == "contiguous":
+            raise ValueError("the contiguous baseline cannot share a prompt between samples: "
+                             "use n=1, or allocator='paged'")
         text, ids = self._tokenize(prompt)
         self._check_fits(ids, params)
         with self._lock:
@@ -290,7 +300,10 @@ class Engine:
                 self._token_times.popleft()
             self.num_steps += 1
             self.forward_time_s += self.runner.last_forward_s
-            self.step_time_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.step_time_s += t1 - t0
+            if self.trace is not None:
+                self.trace.append(dataclasses.replace(sched.record(), duration_s=t1 - t0))
             return outputs
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
@@ -619,9 +632,15 @@ class Engine:
             for seq in live:
                 table = seq.block_table
                 expected.update(b.block_id for b in table.blocks)
-                assert len(table.blocks) == -(-table.num_slots // bs), (
-                    f"{seq.request_id}: {len(table.blocks)} blocks for {table.num_slots} slots "
-                    f"(invariant 5: waste must stay under one block)")
+                if self.scheduler.arena is None:
+                    assert len(table.blocks) == -(-table.num_slots // bs), (
+                        f"{seq.request_id}: {len(table.blocks)} blocks for {table.num_slots} slots "
+                        f"(invariant 5: waste must stay under one block)")
+                elif table.blocks:   # the baseline holds its whole reservation, in one run
+                    want = -(-self.scheduler.reservation(seq) // bs)
+                    ids = [b.block_id for b in table.blocks]
+                    assert ids == list(range(ids[0], ids[0] + want)), (
+                        f"{seq.request_id}: contiguous reservation {ids[0]}.. is not {want} adjacent blocks")
                 slots = seq.swapped_num_slots if seq.status is SequenceStatus.SWAPPED else table.num_slots
                 assert seq.num_computed_tokens <= slots, f"{seq.request_id}: computed tokens without slots"
                 for i, block in enumerate(table.blocks):
@@ -630,6 +649,8 @@ class Engine:
                             f"{seq.request_id}: block {block.block_id} content differs from its hash "
                             f"(invariant 3)")
             self.pool.check_invariants(expected)
+            if self.scheduler.arena is not None:
+                self.scheduler.arena.check_invariants()
             if self.swap is not None:
                 held = [slot for seq in self.scheduler.swapped for slot in seq.swap_slots]
                 assert len(held) == len(set(held)) == self.swap.num_used, (

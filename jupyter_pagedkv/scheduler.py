@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool, NoFreeBlocksError
+from .contiguous import ContiguousArena
 from .sequence import Sequence, SequenceStatus
 from .swap_space import SwapSpace
 
@@ -31,6 +32,18 @@ class ScheduledChunk:
         return self.start + self.num_tokens == self.seq.num_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step's schedule: chunks as (request id, sample index, start, tokens), preempted ids,
+    and how many blocks were swapped out / in."""
+
+    chunks: tuple[tuple[str, int, int, int], ...]
+    preempted: tuple[str, ...]
+    num_swap_out: int = 0
+    num_swap_in: int = 0
+    duration_s: float = 0.0   # filled in by whoever ran the step (wall clock or cost model)
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -43,6 +56,13 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    def record(self) -> StepRecord:
+        """What this step decided, in a form two runs (real engine, simulator) can compare."""
+        return StepRecord(tuple((c.seq.request_id, c.seq.sample_index, c.start, c.num_tokens)
+                                for c in self.chunks),
+                          tuple(s.request_id for s in self.preempted),
+                          len(self.swap_out), len(self.swap_in))
+
     @property
     def is_empty(self) -> bool:
         return not self.chunks
@@ -50,7 +70,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 watermark: float = 0.01, swap: SwapSpace | None = None) -> None:
+                 watermark: float = 0.01, swap: SwapSpace | None = None,
+                 arena: ContiguousArena | None = None, max_model_len: int | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.pool = pool
@@ -61,6 +82,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.swap = swap
+        # The contiguous baseline: admission reserves a whole run up front instead of growing.
+        self.arena = arena
+        self.max_model_len = max_model_len
         self.num_preemptions = 0
         self.num_swap_outs = 0
 
@@ -88,7 +112,7 @@ class Scheduler:
             self.swapped.remove(seq)
             self.swap.free(seq.swap_slots)
             seq.swap_slots = []
-        seq.block_table.free()
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -166,12 +190,12 @@ class Scheduler:
         if slots is not None:
             out.swap_out.extend(zip(table.block_ids, slots))
             seq.swap_slots, seq.swapped_num_slots = slots, table.num_slots
-            table.free()
+            self._release(seq)
             seq.status = SequenceStatus.SWAPPED
             self._enqueue(self.swapped, seq)
             self.num_swap_outs += 1
             return
-        table.free()
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self._enqueue(self.waiting, seq)   # ahead of everything newer of its priority
@@ -179,6 +203,7 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
         """Bring a swapped sequence back into fresh blocks and schedule its next chunk, if it fits."""
         assert not out.swap_out, "a host slot freed here could be overwritten by a swap-out"
+        assert self.arena is None, "the contiguous baseline never preempts, so never swaps in"
         pool, bs = self.pool, self.pool.block_size
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         needed = max(len(seq.swap_slots), -(-(seq.num_computed_tokens + n) // bs))
@@ -197,8 +222,28 @@ class Scheduler:
         table.grow(seq.num_computed_tokens + n, out.copies)
         return ScheduledChunk(seq, seq.num_computed_tokens, n)
 
+    def _release(self, seq: Sequence) -> None:
+        if self.arena is not None:
+            self.arena.release(seq.block_table)
+        else:
+            seq.block_table.free()
+
+    def reservation(self, seq: Sequence) -> int:
+        """Tokens the contiguous baseline reserves: the whole prompt plus every token it may generate."""
+        want = seq.prompt_len + seq.params.max_tokens
+        return min(want, self.max_model_len) if self.max_model_len else want
+
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
         pool, bs = self.pool, self.pool.block_size
+        if self.arena is not None:
+            start = seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            if not self.arena.reserve(seq.block_table, self.reservation(seq)):
+                return None
+            seq.block_table.grow(start + n, out.copies)   # inside the run: takes no block
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = 0
+            return ScheduledChunk(seq, start, n)
         hits = self._cached_prefix(seq) if seq.num_computed_tokens == 0 else []
         start = len(hits) * bs if hits else seq.num_computed_tokens
         n = min(seq.num_tokens - start, budget)
