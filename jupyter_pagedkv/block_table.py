@@ -43,6 +43,10 @@ class BlockTable:
         """
         if num_slots <= self.num_slots:
             return
+        bs = self.pool.block_size
+        if num_slots <= len(self.blocks) * bs and not self._last_block_is_shared():
+            self.num_slots = num_slots   # the common decode step: room left in an owned block
+            return
         if self.blocks_needed(num_slots) > self.pool.num_free:
             raise NoFreeBlocksError("no free KV blocks")
         if self._last_block_is_shared():
@@ -51,7 +55,6 @@ class BlockTable:
             copies.append((old.block_id, new.block_id))
             self.pool.free(old)
             self.blocks[-1] = new
-        bs = self.pool.block_size
         while len(self.blocks) * bs < num_slots:
             self.blocks.append(self.pool.allocate())
         self.num_slots = num_slots

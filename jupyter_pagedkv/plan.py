@@ -25,6 +25,14 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_context: int
+    vocab_size: int = 32000
+    tied_embeddings: bool = False
+
+    @property
+    def embedding_params(self) -> float:
+        """Parameters that cost no FLOPs per token (the input embedding; the output projection
+        runs only at sampled positions)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
@@ -37,7 +45,8 @@ class ModelShape:
                    text.num_hidden_layers, text.hidden_size, heads,
                    getattr(text, "num_key_value_heads", None) or heads,
                    getattr(text, "head_dim", None) or text.hidden_size // heads,
-                   getattr(text, "max_position_embeddings", 4096))
+                   getattr(text, "max_position_embeddings", 4096), text.vocab_size,
+                   bool(getattr(text, "tie_word_embeddings", False)))
 
 
 @dataclass(frozen=True)
@@ -46,20 +55,21 @@ class GPU:
     memory_bytes: int
     bandwidth: float       # bytes/s of HBM
     flops: float           # dense bf16 FLOP/s
+    host_bandwidth: float = 25e9   # bytes/s to host memory (PCIe), what swapping pays
 
 
 MODELS = {m.name: m for m in [
-    ModelShape("Llama-3-8B", 8.03e9, 32, 4096, 32, 8, 128, 8192),
-    ModelShape("Llama-3-70B", 70.6e9, 80, 8192, 64, 8, 128, 8192),
-    ModelShape("Qwen2.5-7B", 7.62e9, 28, 3584, 28, 4, 128, 32768),
-    ModelShape("SmolLM2-135M", 134.5e6, 30, 576, 9, 3, 64, 8192),
+    ModelShape("Llama-3-8B", 8.03e9, 32, 4096, 32, 8, 128, 8192, 128256),
+    ModelShape("Llama-3-70B", 70.6e9, 80, 8192, 64, 8, 128, 8192, 128256),
+    ModelShape("Qwen2.5-7B", 7.62e9, 28, 3584, 28, 4, 128, 32768, 152064),
+    ModelShape("SmolLM2-135M", 134.5e6, 30, 576, 9, 3, 64, 8192, 49152, tied_embeddings=True),
 ]}
 
 GPUS = {g.name: g for g in [
-    GPU("A100-40GB", 40 * GiB, 1.555e12, 312e12),
-    GPU("A100-80GB", 80 * GiB, 2.039e12, 312e12),
-    GPU("H100-80GB", 80 * GiB, 3.35e12, 989e12),
-    GPU("H200", 141 * 10**9, 4.8e12, 989e12),
+    GPU("A100-40GB", 40 * GiB, 1.555e12, 312e12, 25e9),     # PCIe 4.0 x16
+    GPU("A100-80GB", 80 * GiB, 2.039e12, 312e12, 25e9),
+    GPU("H100-80GB", 80 * GiB, 3.35e12, 989e12, 50e9),      # PCIe 5.0 x16
+    GPU("H200", 141 * 10**9, 4.8e12, 989e12, 50e9),
 ]}
 
 

@@ -127,7 +127,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -135,7 +134,6 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-                scheduled.add(seq.seq_id)
                 budget -= n
                 i += 1
             # else: seq itself was preempted and removed from `running`; index i now holds the next.

@@ -1,0 +1,89 @@
+"""Seeded request streams for the simulator and the tail benchmark.
+
+Length profiles follow the two datasets the PagedAttention paper evaluates on: conversations
+shaped like ShareGPT (long prompts, long answers: means ~161 input / ~338 output tokens, heavy
+tail) and instructions shaped like Alpaca (short: ~19 / ~58). Lengths are log-normal with those
+means, clipped to the context. `max_tokens` is what the client asks for — the cap the contiguous
+baseline must reserve — while the output length is where the answer really stops (EOS).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LengthProfile:
+    name: str
+    prompt_mean: float
+    prompt_sigma: float
+    output_mean: float
+    output_sigma: float
+    max_tokens: int   # the client's cap, reserved whole by the contiguous baseline
+
+
+PROFILES = {p.name: p for p in [
+    LengthProfile("sharegpt", 161.3, 1.0, 338.0, 0.9, 1024),
+    LengthProfile("alpaca", 19.3, 0.6, 58.5, 0.8, 256),
+]}
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request: when it arrives, its prompt, and the tokens it will generate (stopping there)."""
+
+    request_id: str
+    arrival_s: float
+    prompt_ids: list[int]
+    output_ids: list[int]
+    max_tokens: int
+    priority: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids)
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
+    mu = math.log(mean) - sigma * sigma / 2
+    return max(lo, min(hi, round(rng.lognormvariate(mu, sigma))))
+
+
+def arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Poisson arrivals at `rate` requests/s (exponential gaps); rate <= 0 or inf: all at t = 0."""
+    if rate <= 0 or math.isinf(rate):
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return np.random.default_rng(rng.getrandbits(64)).integers(100, vocab, n).tolist()
+
+
+def synthetic(n: int, profile: str | LengthProfile = "sharegpt", rate: float = float("inf"),
+              seed: int = 0, vocab: int = 32000, max_context: int = 4096,
+              system_prompt_len: int = 0, num_tenants: int = 1) -> list[SimRequest]:
+    """`n` requests with random token ids; with `system_prompt_len`, each belongs to one of
+    `num_tenants` tenants whose requests all start with that tenant's system prompt."""
+    p = PROFILES[profile] if isinstance(profile, str) else profile
+    rng = random.Random(seed)
+    systems = [_tokens(rng, system_prompt_len, vocab) for _ in range(num_tenants)] if system_prompt_len else []
+    out = []
+    for i, t in enumerate(arrivals(n, rate, rng)):
+        user = _lognormal(rng, p.prompt_mean, p.prompt_sigma, 4, max_context // 2)
+        prompt = (systems[i % num_tenants] if systems else []) + _tokens(rng, user, vocab)
+        max_tokens = max(1, min(p.max_tokens, max_context - len(prompt)))
+        out_len = _lognormal(rng, p.output_mean, p.output_sigma, 1, max_tokens)
+        out.append(SimRequest(f"sim-{i}", t, prompt, _tokens(rng, out_len, vocab), max_tokens))
+    return out
