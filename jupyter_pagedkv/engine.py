@@ -258,6 +258,7 @@ class Engine:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler could not run any request: the pool is too small")
                 return []
+            record = sched.record() if self.trace is not None else None
             try:
                 sampling, logits = self.runner.execute(sched.chunks, sched.copies,
                                                        sched.swap_out, sched.swap_in)
@@ -302,8 +303,8 @@ class Engine:
             self.forward_time_s += self.runner.last_forward_s
             t1 = time.perf_counter()
             self.step_time_s += t1 - t0
-            if self.trace is not None:
-                self.trace.append(dataclasses.replace(sched.record(), duration_s=t1 - t0))
+            if record is not None:
+                self.trace.append(dataclasses.replace(record, duration_s=t1 - t0))
             return outputs
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:

@@ -34,10 +34,10 @@ class ScheduledChunk:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One step's schedule: chunks as (request id, sample index, start, tokens), preempted ids,
-    and how many blocks were swapped out / in."""
+    """One step's schedule: chunks as (request id, sample index, start, tokens, samples),
+    preempted ids, and how many blocks were swapped out / in."""
 
-    chunks: tuple[tuple[str, int, int, int], ...]
+    chunks: tuple[tuple[str, int, int, int, bool], ...]
     preempted: tuple[str, ...]
     num_swap_out: int = 0
     num_swap_in: int = 0
@@ -57,8 +57,9 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
     def record(self) -> StepRecord:
-        """What this step decided, in a form two runs (real engine, simulator) can compare."""
-        return StepRecord(tuple((c.seq.request_id, c.seq.sample_index, c.start, c.num_tokens)
+        """What this step decided, in a form two runs (real engine, simulator) can compare;
+        take it before the step's new tokens are appended (`samples` depends on that)."""
+        return StepRecord(tuple((c.seq.request_id, c.seq.sample_index, c.start, c.num_tokens, c.samples)
                                 for c in self.chunks),
                           tuple(s.request_id for s in self.preempted),
                           len(self.swap_out), len(self.swap_in))

@@ -9,7 +9,9 @@ requests it replays a production-scale day on a laptop (a 70B model, thousands o
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..block_pool import BlockPool
@@ -111,17 +113,9 @@ class Simulator:
             dt = self.cost.step_time(work)
             running = len(sched.running)
             max_conc = max(max_conc, running)
-            # Occupancy walks every held block: sample it on a stride (weighted by the time since
-            # the last sample) so big batches stay cheap.
-            since += dt
-            if steps % max(1, running // 4) == 0:
-                stored, held = kv_occupancy(sched.running, bs)
-                meter.add(stored, held, since)
-                since = 0.0
             clock += dt
             steps += 1
             if record_trace:
-                import dataclasses
                 result.trace.append(dataclasses.replace(out.record(), duration_s=dt))
             for c, (_, _, samples) in zip(out.chunks, shape):
                 seq = c.seq
@@ -140,6 +134,14 @@ class Simulator:
                     timings.append(RequestTiming(req.request_id, req.arrival_s, first[req.request_id],
                                                  clock, req.output_len))
                     result.completion_order.append(req.request_id)
+            # Occupancy after the step (as the real-engine driver measures it) walks every held
+            # block: sample it on a stride, weighted by the time since the last sample.
+            since += dt
+            if steps % max(1, running // 4) == 0:
+                stored, held = kv_occupancy(sched.running, bs)
+                meter.add(stored, held, since)
+                since = 0.0
+        pool.check_invariants(Counter())   # every request finished: nothing may stay referenced
         start = min((r.arrival_s for r in requests), default=0.0)
         result.summary = RunSummary(label, timings, clock - start, meter.value, max_conc,
                                     sched.num_preemptions)
