@@ -20,7 +20,7 @@ from .text_views import block_map, requests_table
 from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
                         Renderer, WidgetRenderer)
 
-COMMANDS = ("load", "unload", "status", "requests", "reset-cache", "monitor", "bench", "help")
+COMMANDS = ("load", "unload", "status", "requests", "reset-cache", "monitor", "bench", "plan", "help")
 LOAD_OPTIONS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
                 "no_prefix_caching", "preemption", "allocator")
 DEFAULT_MAX_TOKENS = 128
@@ -37,6 +37,9 @@ jupyter-pagedkv magics (one engine per kernel, shared by every cell):
   %pagedkv reset-cache              drop cached prefixes (blocks not in use)
   %pagedkv unload                   release the model and the KV memory
   %pagedkv bench NAME [...]         run `python -m jupyter_pagedkv.bench NAME ...` in a subprocess
+                                    (its plots are shown here), e.g. `%pagedkv bench tail --scale sim`
+  %pagedkv plan MODEL [--gpu G] [--num-gpus N] [--context N]
+                                    KV capacity: bytes per token, tokens that fit, paged vs contiguous
   %%generate [options]              generate from the cell; `---` lines separate concurrent prompts,
                                     {name} inserts a variable ({{ and }} are literal braces)
   %%chat [SESSION] [options]        one turn of a multi-turn chat; earlier turns stay in the KV cache
@@ -117,7 +120,7 @@ class PagedKVMagics(Magics):
     # -- %pagedkv -------------------------------------------------------------------------------
     @magic_arguments()
     @argument("command", nargs="?", default="help", choices=COMMANDS, metavar="COMMAND",
-              help="load | unload | status | requests | reset-cache | monitor | bench | help")
+              help="load | unload | status | requests | reset-cache | monitor | bench | plan | help")
     @argument("model", nargs="?", default=None, metavar="MODEL",
               help="load: a Hugging Face model folder or cached id (default: embedded SmolLM2-135M-Instruct)")
     @argument("--device", default="auto", help="load: cpu, cuda, cuda:1 ... (default auto)")
@@ -136,8 +139,8 @@ class PagedKVMagics(Magics):
     def pagedkv(self, line: str) -> None:
         """Load, inspect and release the kernel's paged KV-cache engine. `%pagedkv help` for a tour."""
         words = line.split(None, 1)
-        if words and words[0] == "bench":
-            return self._bench(words[1] if len(words) > 1 else "")
+        if words and words[0] in ("bench", "plan"):
+            return getattr(self, "_" + words[0])(words[1] if len(words) > 1 else "")
         args = parse_line(self.pagedkv, line)
         if args.command != "load":
             parser = self.pagedkv.parser
@@ -204,9 +207,12 @@ class PagedKVMagics(Magics):
         """Benchmarks load their own engines, so they run in a subprocess with their output here."""
         cmd = [sys.executable, "-m", "jupyter_pagedkv.bench", *shlex.split(rest)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        plots = []
         try:
             for text in proc.stdout:
                 print(text, end="")
+                if text.strip().startswith("plot: "):
+                    plots.append(text.strip()[len("plot: "):])
             proc.wait()
         except KeyboardInterrupt:
             proc.terminate()
@@ -214,6 +220,34 @@ class PagedKVMagics(Magics):
             raise
         if proc.returncode:
             raise UsageError(f"the benchmark exited with status {proc.returncode}")
+        from IPython.display import Image, display
+        for path in plots:
+            display(Image(filename=path))
+
+    def _plan(self, rest: str) -> None:
+        """The capacity planner in-process (it is arithmetic), with its concurrency plot."""
+        import contextlib
+        import io
+
+        from . import plan as planner
+
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+                p = planner.from_argv(shlex.split(rest))
+        except SystemExit as exit_:
+            lines = err.getvalue().strip().splitlines()
+            if exit_.code == 0:   # --help
+                print(err.getvalue().replace("python -m jupyter_pagedkv.plan", "%pagedkv plan"))
+                return
+            raise UsageError(f"{lines[-1] if lines else 'bad arguments'} (e.g. %pagedkv plan "
+                             f"Llama-3-70B --gpu H100-80GB --num-gpus 2)") from None
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(p.summary())
+        if p.fits:
+            from IPython.display import display
+            display(planner.figure(p))
 
     # -- %%generate ---------------------------------------------------------------------------------
     @magic_arguments()

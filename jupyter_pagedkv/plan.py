@@ -138,7 +138,7 @@ def plan(model: str | ModelShape, gpu: str | GPU = "H100-80GB", num_gpus: int = 
     return Plan(m, gpu, num_gpus, weights, budget, m.kv_bytes_per_token(kv_bytes), block_size, context_len)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.plan", description=__doc__)
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--gpu", default="H100-80GB", choices=sorted(GPUS))
@@ -146,8 +146,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--weight-bytes", type=float, default=2, help="bytes per weight (2 = bf16, 1 = 8-bit)")
-    args = ap.parse_args(argv)
-    print(plan(args.model, args.gpu, args.num_gpus, args.context, args.block_size, args.weight_bytes).summary())
+    return ap
+
+
+def from_argv(argv: list[str] | None) -> Plan:
+    args = parser().parse_args(argv)
+    if args.num_gpus < 1 or args.context < 1 or args.block_size < 1:
+        parser().error("--num-gpus, --context and --block-size must be positive")
+    return plan(args.model, args.gpu, args.num_gpus, args.context, args.block_size, args.weight_bytes)
+
+
+def figure(p: Plan):
+    """Concurrent requests that fit vs context length, paged vs contiguous (a matplotlib Figure)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.4))
+    ax = fig.subplots()
+    lengths = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+               if n <= p.model.max_context]
+    bs = p.block_size
+    paged = [p.tokens // (math.ceil(n / bs) * bs) for n in lengths]
+    contiguous = [p.contiguous_concurrency] * len(lengths)
+    ax.plot(lengths, paged, "o-", color="#2a7ab9", label="paged (blocks of %d)" % bs)
+    ax.plot(lengths, contiguous, "s--", color="#d9552b",
+            label=f"contiguous (reserves {p.model.max_context:,} each)")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per request (prompt + output)",
+           ylabel="concurrent requests that fit",
+           title=f"{p.model.name} on {p.num_gpus} x {p.gpu.name}: {p.tokens:,} KV tokens")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(from_argv(argv).summary())
     return 0
 
 

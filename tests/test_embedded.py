@@ -103,3 +103,19 @@ def test_chat_applies_the_template_and_answers(embedded, make_engine):
     assert "Paris" in out.text
     assert out.prompt_token_ids[:3] == tokenizer.apply_chat_template(
         [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True, return_dict=False)[:3]
+
+
+def test_the_simulator_reproduces_the_embedded_models_schedule(embedded, make_engine):
+    """Offline batch under memory pressure: the simulator, fed the real prompts and outputs,
+    schedules every step, preemption and completion exactly as the engine did."""
+    from jupyter_pagedkv.sim.serve import TimedPrompt
+    from jupyter_pagedkv.sim.validate import offline_check
+
+    model, tokenizer = embedded
+    prompts = chat_prompts(tokenizer, 6)
+    timed = [TimedPrompt(f"e{i}", 0.0, p, SamplingParams(max_tokens=8 + 2 * i, temperature=0.0))
+             for i, p in enumerate(prompts)]
+    engine = make_engine(model, tokenizer, num_blocks=20)
+    check, _ = offline_check(engine, timed)
+    assert check.identical, check.line()
+    assert check.real_preemptions > 0

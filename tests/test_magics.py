@@ -373,6 +373,36 @@ def test_pagedkv_bench_runs_the_bench_module_in_a_subprocess(ip, capsys):
         run(ip, "%pagedkv bench no-such-bench")
 
 
+def test_pagedkv_bench_tail_shows_its_plot(ip, capsys, tmp_path, monkeypatch):
+    import IPython.display
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    run(ip, f"%pagedkv bench tail --scale sim --sim-requests 40 --sim-rates 1 4 --sim-scale-check 0 "
+            f"--plot-dir {tmp_path}")
+    out = capsys.readouterr().out
+    assert "highest swept rate with P99 latency" in out and "swap vs recompute" in out
+    assert len(shown) == 1 and isinstance(shown[0], IPython.display.Image)
+    assert (tmp_path / "tail_sim.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pagedkv_plan_prints_the_arithmetic_and_plots_concurrency(ip, capsys, monkeypatch):
+    import IPython.display
+    from matplotlib.figure import Figure
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    run(ip, "%pagedkv plan Llama-3-70B --gpu H100-80GB --num-gpus 2")
+    out = capsys.readouterr().out
+    assert "327,680 bytes (320 KiB)" in out and "concurrent requests" in out
+    assert len(shown) == 1 and isinstance(shown[0], Figure)
+
+
+def test_pagedkv_plan_bad_input_is_one_line(ip):
+    with pytest.raises(UsageError, match="invalid choice: 'Z80'"):
+        run(ip, "%pagedkv plan Llama-3-70B --gpu Z80")
+    with pytest.raises(UsageError, match="arguments are required: model"):
+        run(ip, "%pagedkv plan")
+
+
 # -- reload, unload (last: they take the module's engine away) ------------------------------------------
 
 def test_loading_again_replaces_the_engine_cleanly(ip, capsys):

@@ -1,0 +1,223 @@
+"""`python -m jupyter_pagedkv.bench tail`: paged vs contiguous KV under a request-rate sweep.
+
+Two scales in one command, same method at both: the same seeded Poisson workload is served with
+the paged allocator and with the contiguous baseline (prefix caching off for both, so memory
+management is the only difference), at each rate of a sweep, and each run reports KV
+utilisation (tokens stored / slots reserved, time-weighted), max concurrent requests, throughput
+and P50/P99 TTFT and end-to-end latency; then swap vs recompute preemption under pressure.
+
+- real: the embedded model on this CPU, driven in wall-clock time (small: tens of requests);
+- sim:  Llama-3-70B on H100-80GB GPUs through the simulator (the engine's own scheduler and
+        block pool; thousands of requests), plus one 10,000-request run timed end to end.
+
+The headline is the highest swept rate each allocator sustains under a P99 latency bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+from ..sim.summary import RunSummary
+
+
+def max_rate_under(rows: list[RunSummary], rates: list[float], bound: float) -> float:
+    """Highest swept rate whose P99 end-to-end latency stays within `bound` (0 if none)."""
+    ok = [r for r, s in zip(rates, rows) if s.latency(99) <= bound]
+    return max(ok, default=0.0)
+
+
+# -- the simulated scale ------------------------------------------------------------------------
+def sim_scale(args) -> dict:
+    from ..plan import MODELS
+    from ..sim import Simulator, synthetic
+
+    shape = MODELS[args.model]
+    preset = dict(model=args.model, gpu=args.gpu, num_gpus=args.num_gpus, max_num_seqs=args.max_num_seqs,
+                  enable_prefix_caching=False)
+    workload = lambda rate, n=args.sim_requests: synthetic(n, args.profile, rate, args.seed, shape.vocab_size,
+                                                           shape.max_context)
+    head = Simulator.for_gpu(**preset)
+    print(f"\n== simulated: {args.model} on {args.num_gpus} x {args.gpu} ({head.config.num_blocks:,} blocks "
+          f"of 16), {args.sim_requests:,} {args.profile}-shaped requests per rate ==", flush=True)
+    runs: dict[str, list[RunSummary]] = {"paged": [], "contiguous": []}
+    for rate in args.sim_rates:
+        reqs = workload(rate)
+        for alloc in runs:
+            s = Simulator.for_gpu(allocator=alloc, **preset).run(reqs, f"sim {alloc} @ {rate:g}/s").summary
+            runs[alloc].append(s)
+            print("  " + s.line(), flush=True)
+    pressure_rate = args.sim_pressure_rate or args.sim_rates[-1]
+    print(f"  preemption under pressure (paged, {pressure_rate:g} req/s):")
+    reqs = workload(pressure_rate)
+    preempt = {}
+    for mode in ("recompute", "swap"):
+        s = Simulator.for_gpu(preemption_mode=mode, **preset).run(reqs, f"sim {mode} @ {pressure_rate:g}/s").summary
+        preempt[mode] = s
+        print("    " + s.line(), flush=True)
+    scale = None
+    if args.sim_scale_check:
+        reqs = workload(args.sim_scale_rate, args.sim_scale_check)
+        t0 = time.perf_counter()
+        res = Simulator.for_gpu(**preset).run(reqs, f"sim paged {args.sim_scale_check:,} requests")
+        wall = time.perf_counter() - t0
+        scale = {"requests": args.sim_scale_check, "rate": args.sim_scale_rate, "wall_s": wall,
+                 "steps": res.num_steps, "simulated_s": res.summary.duration_s}
+        print(f"  scale check: {args.sim_scale_check:,} requests ({res.num_steps:,} steps, "
+              f"{res.summary.duration_s:,.0f} s simulated) in {wall:.1f} s of wall time", flush=True)
+    return {"label": f"simulated {args.model} on {args.num_gpus} x {args.gpu}", "rates": args.sim_rates,
+            "runs": runs, "preempt": preempt, "pressure_rate": pressure_rate, "bound": args.sim_p99_bound,
+            "scale": scale}
+
+
+# -- the real scale -------------------------------------------------------------------------------
+def real_scale(args) -> dict:
+    import torch
+
+    from ..bench.workload import chat_requests
+    from ..engine import Engine
+    from ..loader import load_model
+    from ..sampling_params import SamplingParams
+    from ..sim.serve import TimedPrompt, serve
+    from ..sim.workload import arrivals
+
+    print(f"\n== real: the embedded model on this CPU ({torch.get_num_threads()} threads), "
+          f"{args.real_requests} chat requests per rate, {args.real_num_blocks} blocks of 16 ==", flush=True)
+    loaded = load_model(None, torch.float32, torch.device("cpu"))
+
+    def engine(allocator: str, num_blocks: int, preemption: str = "recompute") -> Engine:
+        return Engine(loaded.model, loaded.tokenizer, name=loaded.name, num_blocks=num_blocks,
+                      allocator=allocator, enable_prefix_caching=False, preemption_mode=preemption,
+                      swap_space="256MiB")
+
+    probe = engine("paged", args.real_num_blocks)
+    prompts = [probe.apply_chat_template(r.messages) for r in chat_requests(args.real_requests, args.seed)]
+    params = SamplingParams(max_tokens=args.real_max_tokens, temperature=0.0)
+
+    def timed(rate: float) -> list[TimedPrompt]:
+        times = arrivals(len(prompts), rate, random.Random(args.seed))
+        return [TimedPrompt(f"r{i}", t, p, params) for i, (t, p) in enumerate(zip(times, prompts))]
+
+    runs: dict[str, list[RunSummary]] = {"paged": [], "contiguous": []}
+    texts: dict[str, list] = {}
+    for rate in args.real_rates:
+        for alloc in runs:   # alternate, so drifting machine load hits both alike
+            eng = engine(alloc, args.real_num_blocks)
+            s, outs = serve(eng, timed(rate), f"real {alloc} @ {rate:g}/s")
+            eng.check_invariants()
+            runs[alloc].append(s)
+            texts.setdefault(alloc, []).append([outs[f"r{i}"].token_ids for i in range(len(prompts))])
+            print("  " + s.line(), flush=True)
+    same = all(a == b for a, b in zip(texts["paged"], texts["contiguous"]))
+    print(f"  outputs identical across allocators at every rate: {same}")
+    pressure_rate = args.real_pressure_rate or args.real_rates[-1]
+    print(f"  preemption under pressure (paged, {args.real_pressure_blocks} blocks, {pressure_rate:g} req/s):")
+    preempt = {}
+    for mode in ("recompute", "swap"):
+        eng = engine("paged", args.real_pressure_blocks, mode)
+        s, _ = serve(eng, timed(pressure_rate), f"real {mode} @ {pressure_rate:g}/s")
+        eng.check_invariants()
+        preempt[mode] = s
+        print("    " + s.line(), flush=True)
+    return {"label": "real: embedded SmolLM2-135M on this CPU", "rates": args.real_rates, "runs": runs,
+            "preempt": preempt, "pressure_rate": pressure_rate, "bound": args.real_p99_bound,
+            "identical_outputs": same}
+
+
+# -- report ---------------------------------------------------------------------------------------
+def report(scale: dict) -> dict:
+    runs, rates, bound = scale["runs"], scale["rates"], scale["bound"]
+    paged_rate = max_rate_under(runs["paged"], rates, bound)
+    contig_rate = max_rate_under(runs["contiguous"], rates, bound)
+    ratio = paged_rate / contig_rate if contig_rate else (math.inf if paged_rate else math.nan)
+    util = {a: sum(s.kv_utilisation for s in rs) / len(rs) for a, rs in runs.items()}
+    conc = {a: max(s.max_concurrent for s in rs) for a, rs in runs.items()}
+    rec, swp = scale["preempt"]["recompute"], scale["preempt"]["swap"]
+    print(f"\n{scale['label']}:")
+    print(f"  KV utilisation (mean over rates): paged {util['paged']:.1%}, contiguous {util['contiguous']:.1%}")
+    print(f"  max concurrent requests: paged {conc['paged']}, contiguous {conc['contiguous']} "
+          f"({conc['paged'] / max(1, conc['contiguous']):.1f}x)")
+    verdict = (f"{ratio:.1f}x" if math.isfinite(ratio) else
+               "paged only" if paged_rate else "neither: lower the rates or raise the bound")
+    print(f"  highest swept rate with P99 latency <= {bound:g} s: paged {paged_rate:g} req/s, contiguous "
+          f"{contig_rate:g} req/s -> {verdict}")
+    print(f"  swap vs recompute at {scale['pressure_rate']:g} req/s: P99 latency {swp.latency(99):.2f} s vs "
+          f"{rec.latency(99):.2f} s ({swp.latency(99) / rec.latency(99):.2f}x); preemptions "
+          f"{swp.num_preemptions} vs {rec.num_preemptions}")
+    return {"paged_max_rate": paged_rate, "contiguous_max_rate": contig_rate, "rate_ratio": ratio,
+            "utilisation": util, "max_concurrent": conc,
+            "swap_p99": swp.latency(99), "recompute_p99": rec.latency(99)}
+
+
+def plot(scale: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, rates = scale["runs"], scale["rates"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    colours = {"paged": "#2a7ab9", "contiguous": "#d9552b"}
+    for alloc, rs in runs.items():
+        axes[0].plot(rates, [s.latency(99) for s in rs], "o-", color=colours[alloc], label=f"{alloc} P99")
+        axes[0].plot(rates, [s.latency(50) for s in rs], "o--", color=colours[alloc], alpha=0.5,
+                     label=f"{alloc} P50")
+        axes[1].plot(rates, [s.throughput for s in rs], "o-", color=colours[alloc], label=alloc)
+        axes[2].plot(rates, [100 * s.kv_utilisation for s in rs], "o-", color=colours[alloc], label=alloc)
+    axes[0].axhline(scale["bound"], color="grey", lw=0.8, ls=":", label="P99 bound")
+    axes[0].set(xlabel="request rate (req/s)", ylabel="end-to-end latency (s)", yscale="log",
+                title="latency vs load")
+    axes[1].set(xlabel="request rate (req/s)", ylabel="generated tokens/s", title="throughput")
+    axes[2].set(xlabel="request rate (req/s)", ylabel="KV utilisation (%)", ylim=(0, 105),
+                title="tokens stored / slots reserved")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(scale["label"], fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"  plot: {path}")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.bench tail", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", choices=("both", "real", "sim"), default="both")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot-dir", default="docs", help="where the PNG plots go")
+    ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    g = ap.add_argument_group("simulated scale")
+    g.add_argument("--model", default="Llama-3-70B")
+    g.add_argument("--gpu", default="H100-80GB")
+    g.add_argument("--num-gpus", type=int, default=2, help="tensor parallel (70B bf16 needs >= 2 x 80 GB)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--profile", default="sharegpt", choices=("sharegpt", "alpaca"))
+    g.add_argument("--sim-requests", type=int, default=600)
+    g.add_argument("--sim-rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
+    g.add_argument("--sim-p99-bound", type=float, default=60.0, help="seconds")
+    g.add_argument("--sim-pressure-rate", type=float, default=None)
+    g.add_argument("--sim-scale-check", type=int, default=10_000, help="0 skips the timed big run")
+    g.add_argument("--sim-scale-rate", type=float, default=2.0)
+    g = ap.add_argument_group("real scale (embedded model, CPU)")
+    g.add_argument("--real-requests", type=int, default=16)
+    g.add_argument("--real-rates", type=float, nargs="+", default=[0.1, 0.2, 0.4])
+    g.add_argument("--real-num-blocks", type=int, default=96)
+    g.add_argument("--real-max-tokens", type=int, default=256, help="the client's cap (what contiguous reserves)")
+    g.add_argument("--real-p99-bound", type=float, default=60.0)
+    g.add_argument("--real-pressure-blocks", type=int, default=40)
+    g.add_argument("--real-pressure-rate", type=float, default=None)
+    args = ap.parse_args(argv)
+
+    results = {}
+    for name, fn in (("sim", sim_scale), ("real", real_scale)):
+        if args.scale in ("both", name):
+            scale = fn(args)
+            results[name] = report(scale)
+            plot(scale, Path(args.plot_dir) / f"tail_{name}.png")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
