@@ -67,7 +67,7 @@ def test_unknown_model_is_one_line(tmp_path):
     (dict(speculative="ngram"), "speculative"),
     (dict(preemption_mode="lru"), "preemption_mode"),
     (dict(preemption_mode="swap", swap_space="1KiB"), "swap_space"),
-    (dict(allocator="contiguous"), "allocator"),
+    (dict(allocator="buddy"), "allocator"),
     (dict(attention_backend="cuda-magic"), "backend"),
 ])
 def test_designed_options_not_built_yet_are_refused_by_name(kwargs, message):
