@@ -648,7 +648,7 @@ class Engine:
                 num_swapped_blocks=self.swap.num_used if self.swap is not None else 0,
                 tokens_per_s=tps, num_generated_tokens=self.num_generated_tokens,
                 num_finished=len(self.finished_requests),
-                latency_percentiles=self._percentiles(),
+                latency_percentiles=self._percentiles(), num_block_refs=sum(refs),
             )
 
     def _percentiles(self) -> dict[str, dict[str, float]]:
