@@ -414,7 +414,7 @@ class Engine:
             completions.append(CompletionOutput(i, text, list(seq.output_token_ids),
                                                 seq.finish_reason, seq.stop_reason))
         if req.beam is not None and req.finished:
-            completions = [CompletionOutput(i, b.text, list(b.token_ids), b.finish_reason)
+            completions = [CompletionOutput(i, b.text, list(b.token_ids), b.finish_reason, score=b.score)
                            for i, b in enumerate(req.beam.sequences)]
         cached = req.seqs[0].num_cached_tokens or 0
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,

@@ -45,6 +45,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    score: float | None = None   # beam search: the length-penalised score
 
 
 @dataclass
