@@ -129,7 +129,10 @@ def part_memory(args, embedded) -> None:
             model, tok, text_ids, vocab = tiny_llama(), None, [], 512
         n = args.embedded_requests if model_name == "embedded" else args.requests
         work = workload(profile, n, args.seed, text_ids, vocab)
-        for mode in ("parallel", "beam"):
+        # With EOS ignored, parallel sampling's blocks depend only on the lengths, never on the
+        # model's tokens, so the embedded model runs it only when asked (--embedded-parallel).
+        modes = ("parallel", "beam") if model_name == "tiny" or args.embedded_parallel else ("beam",)
+        for mode in modes:
             for width in (2, 4, 6):
                 # Room for every sequence privately at full length: sharing never avoids a preemption.
                 need = sum(width * -(-(len(p) + m) // args.block_size)
@@ -212,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profiles", default="alpaca,sharegpt")
     ap.add_argument("--models", default="embedded,tiny",
                     help="embedded (SmolLM2-135M) and/or tiny (a random 2-layer Llama: fast)")
+    ap.add_argument("--embedded-parallel", action="store_true",
+                    help="also run parallel sampling on the embedded model (same counts as tiny)")
     ap.add_argument("--long-on-embedded", action="store_true",
                     help="also run the sharegpt profile on the embedded model (slow on a CPU)")
     ap.add_argument("--requests", type=int, default=8, help="requests per configuration (tiny model)")
-    ap.add_argument("--embedded-requests", type=int, default=4,
+    ap.add_argument("--embedded-requests", type=int, default=2,
                     help="requests per configuration on the embedded model")
     ap.add_argument("--memory-threads", type=int, default=1,
                     help="torch threads for the block counts (they do not depend on speed; on a "
@@ -224,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--reps", type=int, default=3, help="TTFT repetitions (median)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for the TTFT part (default: torch's choice; on a machine "
+                         "loaded by other jobs one thread avoids thread thrash)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.profiles = args.profiles.split(",")
     args.models = args.models.split(",")
     cache: dict = {}
