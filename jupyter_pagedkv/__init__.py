@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "BeamSearchParams", "RequestOutput", "EngineStats"]
+__all__ = ["Engine", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "RequestOutput", "EngineStats"]
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -23,6 +23,9 @@ def __getattr__(name: str):
     if name in ("RequestOutput", "EngineStats", "CompletionOutput", "StreamDelta"):
         from . import outputs
         return getattr(outputs, name)
+    if name in ("BeamSearchOutput", "BeamSequence"):
+        from . import beam_search
+        return getattr(beam_search, name)
     raise AttributeError(f"module 'jupyter_pagedkv' has no attribute {name!r}")
 
 

@@ -18,6 +18,7 @@ from typing import Iterable, Iterator, Sequence as Seq
 
 import torch
 
+from .beam_search import BeamSearch, BeamSearchOutput, advance
 from .block_pool import BlockPool
 from .block_table import BlockTable
 from .contiguous import ContiguousArena
@@ -26,7 +27,7 @@ from .loader import load_model
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamDelta
 from .sampler import Sampler
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, StepRecord
 from .sequence import Sequence, SequenceStatus
 
@@ -61,6 +62,7 @@ class Request:
     sent_text: list[str] = field(default_factory=list)
     sent_tokens: list[int] = field(default_factory=list)
     error: BaseException | None = None
+    beam: BeamSearch | None = None      # set for beam search requests
 
     @property
     def finished(self) -> bool:
@@ -170,19 +172,24 @@ class Engine:
         return ids
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     listener: queue.SimpleQueue | None = None) -> str:
         """Queue one request; returns its id. Bad input raises ValueError before anything is queued.
 
         `listener` receives the request's StreamDeltas from its first token on; attaching it here,
-        under the lock, means a background step can never run before it is in place."""
+        under the lock, means a background step can never run before it is in place. With
+        BeamSearchParams the request is a beam search (published once, when it finishes)."""
         params = params or SamplingParams()
         params.validate()
-        if params.n > 1 and self.allocator == "contiguous":
-            raise ValueError("the contiguous baseline cannot share a prompt between samples: "
-                             "use n=1, or allocator='paged'")
+        if self.allocator == "contiguous" and (isinstance(params, BeamSearchParams) or params.n > 1):
+            raise ValueError("the contiguous baseline cannot share a prompt between samples or beams: "
+                             "use n=1 without beams, or allocator='paged'")
         text, ids = self._tokenize(prompt)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam = self._beam_state(ids, params)
+            params = beam.sampling_params
         self._check_fits(ids, params)
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -192,7 +199,7 @@ class Engine:
             seq = Sequence(rid, list(ids), len(ids), params, BlockTable(self.pool), now, priority)
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed)
-            req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now))
+            req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now), beam=beam)
             if listener is not None:
                 req.listeners.append(listener)
             self._requests[rid] = req
@@ -225,6 +232,19 @@ class Engine:
                 f"one request needs {need_blocks} blocks ({len(ids)} prompt + {params.max_tokens} "
                 f"new tokens) but the pool has {self.pool.num_blocks}: lower max_tokens or load "
                 f"with more num_blocks / kv_cache_memory")
+
+    def _beam_state(self, ids: list[int], params: BeamSearchParams) -> BeamSearch:
+        beam = BeamSearch(params, len(ids), self.eos_token_ids, self.max_model_len)
+        if beam.num_candidates > self.vocab_size:
+            raise ValueError(f"beam_width {params.beam_width} keeps {beam.num_candidates} candidates per "
+                             f"step but the vocabulary has {self.vocab_size}: use a smaller beam_width")
+        need = beam.blocks_needed(len(ids), self.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"beam search with {params.beam_width} beams may need {need} blocks "
+                             f"({len(ids)} prompt + {beam.max_new_tokens} new tokens per beam) but the "
+                             f"pool has {self.pool.num_blocks}: lower beam_width or max_tokens, or load "
+                             f"with more num_blocks / kv_cache_memory")
+        return beam
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its blocks at once; False if it was not live."""
@@ -277,8 +297,11 @@ class Engine:
                 touched[req.request_id] = req
             # A request with n > 1 forks its prefilled sequence at the first sample: the n
             # samples share the prompt's blocks and draw from the same logits row.
-            rows, seqs = [], []
+            rows, seqs, beam_rows = [], [], []
             for i, c in enumerate(sampling):
+                if self._requests[c.seq.request_id].beam is not None:
+                    beam_rows.append((c.seq, i))   # beams pick their tokens together, below
+                    continue
                 for seq in self._fork_samples(c.seq):
                     rows.append(i)
                     seqs.append(seq)
@@ -289,14 +312,15 @@ class Engine:
                 raise
             for seq, token in zip(seqs, tokens):
                 self._append_token(seq, token, now)
+            num_beam_tokens = self._advance_beams(beam_rows, logits, now) if beam_rows else 0
             outputs = []
             for req in touched.values():
                 if req.finished:
                     self._finish_request(req, now)
                 outputs.append(self._output(req))
                 self._publish(req)
-            self.num_generated_tokens += len(tokens)
-            self._token_times.append((now, len(tokens)))
+            self.num_generated_tokens += len(tokens) + num_beam_tokens
+            self._token_times.append((now, len(tokens) + num_beam_tokens))
             while self._token_times and now - self._token_times[0][0] > 10.0:
                 self._token_times.popleft()
             self.num_steps += 1
@@ -326,6 +350,24 @@ class Engine:
             self.scheduler.running.append(child)
             req.seqs.append(child)
         return list(req.seqs)
+
+    def _advance_beams(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor, now: float) -> int:
+        """Hand each beam request its beams' logits; a request selects once all its beams have them."""
+        reqs: dict[str, Request] = {}
+        for seq, row in rows:
+            req = self._requests[seq.request_id]
+            req.beam.pending[seq.seq_id] = logits[row].clone()
+            reqs[req.request_id] = req
+        num_tokens = 0
+        for req in reqs.values():
+            before = req.beam.num_generated
+            req.seqs = advance(req.beam, req.seqs, self.scheduler)
+            if req.beam.num_generated > before:
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                req.metrics.num_generated_tokens += 1
+                num_tokens += len(req.seqs)
+        return num_tokens
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)
@@ -357,6 +399,8 @@ class Engine:
         for seq in req.seqs:
             if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
                 seq.text = self._decode(seq.output_token_ids)
+        if req.beam is not None:
+            req.beam.finalize(self._decode, req.seqs)
         self._requests.pop(req.request_id, None)
         self.finished_requests.append(req)
         self._publish(req)
@@ -383,6 +427,9 @@ class Engine:
             text = seq.text if seq.is_finished else self._decode(seq.output_token_ids)
             completions.append(CompletionOutput(i, text, list(seq.output_token_ids),
                                                 seq.finish_reason, seq.stop_reason))
+        if req.beam is not None and req.finished:
+            completions = [CompletionOutput(i, b.text, list(b.token_ids), b.finish_reason, score=b.score)
+                           for i, b in enumerate(req.beam.sequences)]
         cached = req.seqs[0].num_cached_tokens or 0
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
                              req.finished, cached, req.metrics)
@@ -395,6 +442,10 @@ class Engine:
         finished = req.finished
         tokens = seq.output_token_ids
         text = seq.text if finished else self._decode(tokens)
+        if req.beam is not None:
+            if not finished:
+                return   # beams reorder every step: only the final hypotheses are published
+            tokens, text = req.beam.sequences[0].token_ids, req.beam.sequences[0].text
         if not finished and text.endswith("\ufffd"):
             return   # an incomplete UTF-8 sequence: wait for the next token
         sent = "".join(req.sent_text)
@@ -424,6 +475,27 @@ class Engine:
                 self.abort(rid)
             raise
         return self._wait(ids, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search each prompt (run together); one BeamSearchOutput per prompt, best first."""
+        params = params or BeamSearchParams()
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("beam_search takes BeamSearchParams(beam_width=..., max_tokens=...)")
+        ids: list[str] = []
+        try:
+            for p in self._as_prompt_list(prompts):
+                ids.append(self.add_request(p, params))
+            with self._lock:
+                reqs = [self._requests.get(rid) or next(r for r in self.finished_requests
+                                                        if r.request_id == rid) for rid in ids]
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        self._wait(ids, use_tqdm)
+        return [BeamSearchOutput(r.request_id, r.prompt, r.prompt_token_ids, list(r.beam.sequences))
+                for r in reqs]
 
     def chat(self, messages, params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
@@ -590,7 +662,7 @@ class Engine:
                 num_swapped_blocks=self.swap.num_used if self.swap is not None else 0,
                 tokens_per_s=tps, num_generated_tokens=self.num_generated_tokens,
                 num_finished=len(self.finished_requests),
-                latency_percentiles=self._percentiles(),
+                latency_percentiles=self._percentiles(), num_block_refs=sum(refs),
             )
 
     def _percentiles(self) -> dict[str, dict[str, float]]:

@@ -253,7 +253,8 @@ class PagedKVMagics(Magics):
     @magic_arguments()
     @sampling_arguments
     @argument("--n", type=int, default=1, metavar="N", help="samples per prompt")
-    @argument("--beams", type=int, default=None, metavar="B", help="beam search with B beams")
+    @argument("--beams", type=int, default=None, metavar="B",
+              help="beam search with B beams: shows the B best hypotheses, best first")
     @argument("--raw", action="store_true", help="send the text as is, without the chat template")
     @argument("--speculative", default=None, metavar="ngram|MODEL", help="speculative decoding")
     @argument("--background", action="store_true",
@@ -263,14 +264,14 @@ class PagedKVMagics(Magics):
         """Generate from the cell's text (several prompts, separated by `---` lines, run concurrently)."""
         args = parse_line(self.generate, line)
         engine = self.session.require_engine()
-        if args.beams is not None:
-            raise UsageError("--beams (beam search) is not available yet: drop it (greedy is the default)")
         if args.speculative is not None:
             raise UsageError("--speculative is not available yet: drop it (generation is exact without it)")
         params = self._params(args)
         params.n = args.n
         if args.n < 1:
             raise UsageError(f"--n must be >= 1, got {args.n}")
+        if args.beams is not None:
+            params = _beam_params(args)
         texts = split_prompts(interpolate(cell, self.shell.user_ns))
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
         if args.system is not None and (args.raw or not has_template):
@@ -434,6 +435,21 @@ class FinalOnly:
     def update(self, panels: Sequence[Panel], final: bool) -> None:
         if final:
             self.inner.update(panels, final=True)
+
+
+def _beam_params(args):
+    """--beams B: deterministic beam search; sampling and stop options have no meaning there."""
+    from .sampling_params import BeamSearchParams
+    if args.beams < 1:
+        raise UsageError(f"--beams must be >= 1, got {args.beams}")
+    clash = [name for name, used in (("--n", args.n != 1), ("--temperature", args.temperature != 0.0),
+                                     ("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
+                                     ("--seed", args.seed is not None), ("--stop", bool(args.stop)))
+             if used]
+    if clash:
+        raise UsageError(f"--beams is deterministic and cannot be combined with {', '.join(clash)}: "
+                         f"drop {'it' if len(clash) == 1 else 'them'}")
+    return BeamSearchParams(beam_width=args.beams, max_tokens=args.max_tokens)
 
 
 def _short(text: str, width: int = 40) -> str:

@@ -45,6 +45,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    score: float | None = None   # beam search: the length-penalised score
 
 
 @dataclass
@@ -87,7 +88,8 @@ class EngineStats:
     """Gauges and counters, defined precisely (blocks and tokens are physical, counted once).
 
     num_free: blocks holding nothing reusable; num_cached: ref 0 but holding a reusable prefix;
-    num_used: ref >= 1; num_shared: ref >= 2; kv_cache_usage = num_used / num_blocks.
+    num_used: ref >= 1; num_shared: ref >= 2; kv_cache_usage = num_used / num_blocks;
+    num_block_refs: sum of ref counts, so num_block_refs - num_used blocks are saved by sharing.
     tokens_stored: distinct slots holding KV of live sequences; slots_allocated = num_used x
     block_size; internal_waste = slots_allocated - tokens_stored.
     prefix_cache_queries / _hits: prompt tokens looked up / found in the cache at admission.
@@ -114,6 +116,8 @@ class EngineStats:
     num_generated_tokens: int
     num_finished: int
     latency_percentiles: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Sum of ref counts = blocks the live sequences would hold if none were shared (private copies).
+    num_block_refs: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

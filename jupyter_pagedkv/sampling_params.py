@@ -50,11 +50,18 @@ class BeamSearchParams:
     beam_width: int = 4
     max_tokens: int = 32
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: bool | str = False   # True, False or "never", as transformers reads them
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")

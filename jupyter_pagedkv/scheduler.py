@@ -133,6 +133,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:   # a beam holding its logits until its siblings have theirs
+                i += 1
+                continue
             if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
@@ -148,7 +151,8 @@ class Scheduler:
             chunk = self._swap_in(self.swapped[0], budget, out)
             if chunk is None:
                 break
-            out.chunks.append(chunk)
+            if chunk.num_tokens:
+                out.chunks.append(chunk)
             budget -= chunk.num_tokens
         if self.swapped:
             return out   # swapped sequences come back before anything new is admitted

@@ -102,7 +102,7 @@ def test_contiguous_refuses_admission_that_paging_grants(make_engine):
 
 def test_contiguous_refuses_parallel_samples(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=64, allocator="contiguous")
-    with pytest.raises(ValueError, match="allocator='paged'"):
+    with pytest.raises(ValueError, match="allocator=.paged."):
         engine.add_request([1, 2, 3], SamplingParams(n=2))
 
 

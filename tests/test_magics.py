@@ -15,6 +15,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
+from jupyter_pagedkv import BeamSearchParams
 from jupyter_pagedkv import session as session_mod
 from jupyter_pagedkv.session import current, rss_bytes
 from jupyter_pagedkv.streaming import footer
@@ -217,7 +218,8 @@ def test_system_and_raw_and_stop(ip):
 
 @pytest.mark.parametrize("option, message", [
     ("--n 0", "--n must be >= 1"),
-    ("--beams 4", "--beams .* not available yet"),
+    ("--beams 0", "--beams must be >= 1"),
+    ("--beams 2 --temperature 0.5 --n 2", "--beams is deterministic .* --n, --temperature: drop them"),
     ("--speculative ngram", "--speculative is not available yet"),
     ("--temperature -1", "temperature must be >= 0"),
     ("--max-tokens 0", "--max-tokens must be a positive integer"),
@@ -240,6 +242,17 @@ def test_n_samples_all_appear_and_are_stored(ip, capsys):
     for o in out.outputs[1:]:
         assert f"({o.index + 1}/3) {o.text}" in printed
     assert f"[{sum(len(o.token_ids) for o in out.outputs)} tokens generated" in printed
+
+
+def test_beams_show_every_hypothesis_best_first(ip, capsys):
+    run(ip, "%%generate --max-tokens 4 --beams 2 --out beams\nName a colour.")
+    printed = capsys.readouterr().out
+    out = ip.user_ns["beams"]
+    engine = current().engine
+    ref = engine.beam_search([out.prompt_token_ids], BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    assert [o.token_ids for o in out.outputs] == [s.token_ids for s in ref.sequences]
+    assert [o.score for o in out.outputs] == pytest.approx([s.score for s in ref.sequences], abs=1e-4)
+    assert printed.startswith(out.outputs[0].text) and f"(2/2) {out.outputs[1].text}" in printed
 
 
 def test_a_prompt_too_long_for_the_pool_is_a_usage_error(ip):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,chat,tail,kernels} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,chat,sharing,tail,kernels} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -15,6 +15,8 @@ def main(argv: list[str]) -> int:
         from .throughput import main as run
     elif name == "chat":
         from .chat import main as run
+    elif name == "sharing":
+        from .sharing import main as run
     elif name == "tail":
         from .tail import main as run
     elif name == "kernels":
