@@ -289,6 +289,7 @@ class Engine:
                 self._fail_all(err)
                 raise
             now = time.perf_counter()
+            self.speculator.observe(sched, drafts, self.runner.last_forward_s)
             verified = []
             if drafts:   # takes the drafts back out of token_ids before anything is hashed
                 sampling, logits, verified = self.speculator.split(sampling, logits, drafts,

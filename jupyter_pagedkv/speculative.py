@@ -29,42 +29,79 @@ from .verification import verify_greedy, verify_sampled
 class DraftLengthPolicy:
     """Per-sequence draft length from a decayed estimate of the per-token acceptance rate p.
 
-    Each verified draft is a Bernoulli trial up to and including the first rejection. The j-th
-    draft is proposed while p**j >= `threshold` (the chance it is reached and kept must pay for
-    verifying it). When even one draft is not worth it, the sequence stops speculating for
-    `backoff` steps, then probes with one draft; every failed probe doubles the wait (up to
-    `max_backoff`), a kept draft resets it.
+    Each verified draft is a Bernoulli trial up to and including the first rejection, so k
+    drafts yield 1 + p + ... + p**k tokens per forward in expectation. `draft_len` picks the k
+    that maximises the step's tokens per unit of forward time, using the measured cost of the
+    extra query tokens (`cost(k)`: forward time with k more tokens / without). When no k pays,
+    the sequence stops speculating for `backoff` steps and then probes with one draft; each
+    probe doubles the wait (up to `max_backoff`), a kept draft resets it.
     """
 
-    threshold: float = 0.3
     decay: float = 0.8
     accepted: float = 3.0     # optimistic prior: speculate at first, learn quickly
     rejected: float = 0.0
     cooldown: int = 0
     backoff: int = 4
     max_backoff: int = 64
+    margin: float = 0.05      # demand a 5% gain before paying for drafts
 
     @property
     def acceptance(self) -> float:
         return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
 
-    def draft_len(self, k_max: int) -> int:
+    def best_len(self, k_max: int, batch_tokens: int, cost) -> int:
+        """The k in 0..k_max with the most expected tokens per unit of forward time."""
+        p, expected, term = self.acceptance, 1.0, 1.0
+        best_k, best = 0, float(batch_tokens) * (1.0 + self.margin)
+        for k in range(1, k_max + 1):
+            term *= p
+            expected += term
+            rate = (batch_tokens - 1 + expected) / cost(k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def draft_len(self, k_max: int, batch_tokens: int = 1, cost=lambda k: 1.0) -> int:
+        if k_max <= 0:
+            return 0
         if self.cooldown > 0:
             self.cooldown -= 1
             return 0
-        p, k = self.acceptance, 0
-        while k < k_max and p ** (k + 1) >= self.threshold:
-            k += 1
-        return k if k else min(1, k_max)   # a probe after the cooldown
+        k = self.best_len(k_max, batch_tokens, cost)
+        if k == 0:   # not worth it now: probe once, then wait longer
+            self.cooldown = self.backoff
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+            return 1
+        return k
 
     def update(self, proposed: int, accepted: int) -> None:
         self.accepted = self.decay * self.accepted + accepted
         self.rejected = self.decay * self.rejected + (1 if accepted < proposed else 0)
-        if accepted:
-            self.backoff = 4
-        elif self.acceptance < self.threshold:
-            self.cooldown = self.backoff
-            self.backoff = min(2 * self.backoff, self.max_backoff)
+        if accepted:   # a kept draft: look again next step
+            self.backoff, self.cooldown = 4, 0
+
+
+class StepCost:
+    """Forward time by the number of query tokens in a step (decode-only steps), as moving averages.
+
+    On a CPU one extra query token can double a batch-1 forward (matrix-vector becomes matrix-
+    matrix); on a GPU it is nearly free. Speculation decides with what this engine measured.
+    An unmeasured size is assumed cheap (10% per token), so it gets tried and then measured.
+    """
+
+    def __init__(self, alpha: float = 0.25) -> None:
+        self.alpha = alpha
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        old = self.seconds.get(num_tokens)
+        self.seconds[num_tokens] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def ratio(self, base: int, extra: int) -> float:
+        t0, t1 = self.seconds.get(base), self.seconds.get(base + extra)
+        if t0 is None or t1 is None or t0 <= 0:
+            return 1.0 + 0.1 * extra
+        return max(t1 / t0, 1.0)
 
 
 @dataclass
@@ -117,6 +154,7 @@ class Speculator:
         # Beyond this many tokens in a step the forward is no longer ~free per extra token.
         self.max_step_tokens = max_step_tokens
         self.stats = SpeculativeStats()
+        self.cost = StepCost()
         self._policy: weakref.WeakKeyDictionary[Sequence, DraftLengthPolicy] = weakref.WeakKeyDictionary()
 
     def drafter_for(self, seq: Sequence) -> Drafter | None:
@@ -139,6 +177,7 @@ class Speculator:
         self.stats.last_step_draft_slots = self.stats.last_step_rolled_back = 0
         self.stats.last_step_freed_blocks = []
         groups: dict[str, list[tuple[ScheduledChunk, int]]] = {}
+        granted = 0
         for c in sched.chunks:
             seq = c.seq
             if budget <= 0:
@@ -148,15 +187,17 @@ class Speculator:
             drafter = self.drafter_for(seq)
             if drafter is None:
                 continue
-            k = min(self.policy(seq).draft_len(self.k), budget,
-                    seq.params.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - seq.num_tokens - 1)
+            k_max = min(self.k, budget, seq.params.max_tokens - seq.num_output_tokens - 1,
+                        self.max_model_len - seq.num_tokens - 1)
+            base = sched.num_tokens + granted
+            k = self.policy(seq).draft_len(k_max, base, lambda extra: self.cost.ratio(base, extra))
             if drafter.needs_slots:
                 k = self._reserve(seq, k, sched)
             if k <= 0:
                 continue
             groups.setdefault(drafter.name, []).append((c, k))
             budget -= k
+            granted += k
         drafts: dict[int, Draft] = {}
         for name, items in groups.items():
             drafter = self.drafters[name]
@@ -192,6 +233,16 @@ class Speculator:
         return k
 
     # -- after the forward ----------------------------------------------------------------------
+    def observe(self, sched: SchedulerOutput, drafts: dict[int, Draft], seconds: float) -> None:
+        """Record the forward time of a decode-only step (drafts included) for the cost model."""
+        num_tokens = 0
+        for c in sched.chunks:
+            if c.num_tokens > 1 and c.seq.seq_id not in drafts:
+                return   # a prefill chunk: its cost says nothing about decoding
+            num_tokens += c.num_tokens
+        if num_tokens <= self.max_step_tokens:
+            self.cost.observe(num_tokens, seconds)
+
     def split(self, sampling: list[ScheduledChunk], logits: torch.Tensor, drafts: dict[int, Draft],
               default_generator: torch.Generator
               ) -> tuple[list[ScheduledChunk], torch.Tensor, list[tuple[Sequence, list[int]]]]:

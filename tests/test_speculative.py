@@ -103,7 +103,7 @@ def test_policy_backs_off_when_drafts_are_rejected_and_recovers_when_kept():
     def run(steps: int, kept: int) -> list[int]:
         lens = []
         for _ in range(steps):
-            k = policy.draft_len(4)
+            k = policy.draft_len(4, 1, lambda extra: 1.5)
             if k:
                 policy.update(k, min(k, kept))
             lens.append(k)
@@ -116,6 +116,15 @@ def test_policy_backs_off_when_drafts_are_rejected_and_recovers_when_kept():
     assert gaps == sorted(gaps)                          # waits grow between failed probes
     lens = run(60, kept=4)
     assert lens[-1] >= 3, lens                           # kept drafts bring speculation back
+
+
+def test_policy_weighs_acceptance_against_the_measured_cost_of_drafts():
+    likely, unlikely = DraftLengthPolicy(accepted=9, rejected=1), DraftLengthPolicy(accepted=1, rejected=2)
+    assert likely.best_len(4, 1, lambda k: 1.0 + 0.05 * k) == 4      # GPU-like: drafts nearly free
+    assert likely.best_len(4, 1, lambda k: 2.0) == 4                 # CPU-like: still pays
+    assert unlikely.best_len(4, 1, lambda k: 1.0 + 0.05 * k) >= 1
+    assert unlikely.best_len(4, 1, lambda k: 2.0) == 0               # 2x cost, few kept: do not
+    assert likely.best_len(4, 32, lambda k: 1.0 + 0.2 * k) == 0      # a big batch gains little
 
 
 def test_rollback_frees_emptied_blocks_at_once():
@@ -164,6 +173,16 @@ def test_per_request_drafter_on_an_engine_without_a_default(make_engine):
     outs = engine.generate(PROMPTS[:2], [greedy(), greedy(speculative="ngram")])
     assert [o.token_ids for o in outs] == REFERENCE[:2]
     assert engine.stats().spec_proposed_tokens > 0 and engine.speculator.default is None
+
+
+def test_sampled_requests_speculate_with_ngram_and_return_every_block(make_engine):
+    engine = make_engine(MODEL, block_size=4, num_blocks=24, speculative="ngram")
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    outs = engine.generate(PROMPTS, params)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert engine.stats().spec_proposed_tokens > 0
+    assert all(b.ref_count == 0 for b in engine.pool.blocks)
 
 
 def test_stop_inside_accepted_drafts_discards_the_rest_and_frees_everything(make_engine):
