@@ -280,8 +280,9 @@ class Engine:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler could not run any request: the pool is too small")
                 return []
-            drafts = self.speculator.propose(sched)
+            drafts: dict = {}
             try:
+                drafts = self.speculator.propose(sched)
                 sampling, logits = self.runner.execute(sched.chunks, sched.copies,
                                                        sched.swap_out, sched.swap_in)
             except BaseException as err:

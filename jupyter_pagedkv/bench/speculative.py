@@ -110,23 +110,28 @@ def main(argv: list[str] | None = None) -> int:
                           f"{tok / sec:6.1f} tokens/s", flush=True)
     engine.check_invariants()
     print()
-    print("| workload | plain tokens/s | ngram tokens/s | speed-up | target | acceptance | identical outputs |")
-    print("|---|---:|---:|---:|---|---:|---:|")
+    print("| workload | plain tokens/s | ngram tokens/s | speed-up | paired rounds (median) | target "
+          "| acceptance | identical outputs |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|")
     results, ok = {}, True
     for w in workloads:
         plain = statistics.median(rates[(w, "plain")])
         spec = statistics.median(rates[(w, "ngram")])
         ratio = spec / plain
+        # Each round runs both modes back to back, so a round's ratio cancels slow drifts in load.
+        paired = [b / a for a, b in zip(rates[(w, "plain")], rates[(w, "ngram")])]
         op, bound = TARGETS[w]
-        met = ratio >= bound
+        met = ratio >= bound and statistics.median(paired) >= bound
         ok &= met
         same = sum(a == b for a, b in zip(outputs[(w, "plain")], outputs[(w, "ngram")]))
         proposed, accepted = spec_counts[w]
         acc = accepted / proposed if proposed else 0.0
-        print(f"| {w} | {plain:.1f} | {spec:.1f} | **{ratio:.2f}x** | {op} {bound}x: "
+        print(f"| {w} | {plain:.1f} | {spec:.1f} | **{ratio:.2f}x** | "
+              f"{' / '.join(f'{x:.2f}' for x in paired)} ({statistics.median(paired):.2f}x) | {op} {bound}x: "
               f"{'met' if met else 'NOT met'} | {acc:.0%} of {proposed} drafts | "
               f"{same}/{len(outputs[(w, 'plain')])} |")
         results[w] = dict(plain_tokens_per_s=plain, ngram_tokens_per_s=spec, ratio=ratio, target=bound,
+                          paired_ratios=paired,
                           met=met, proposed=proposed, accepted=accepted, identical=same,
                           rounds_plain=rates[(w, "plain")], rounds_ngram=rates[(w, "ngram")])
     if args.json:
