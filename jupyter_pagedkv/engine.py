@@ -79,9 +79,7 @@ class Engine:
                  preemption_mode: str = "recompute", allocator: str = "paged",
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  seed: int | None = None, swap_space: str | int | None = None,
-                 speculative: str | None = None, num_speculative_tokens: int = 4) -> None:
-        if speculative is not None:
-            raise ValueError(f"speculative={speculative!r} is not available yet: leave it None")
+                 speculative=None, num_speculative_tokens: int = 4) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if allocator not in ("paged", "contiguous"):
@@ -137,6 +135,13 @@ class Engine:
         self.num_steps = 0
         self.step_time_s = 0.0
         self.forward_time_s = 0.0
+        self.seed = seed
+        from .drafters import NgramDrafter
+        from .speculative import Speculator
+        self.speculator = Speculator(self.scheduler, {"ngram": NgramDrafter()}, None,
+                                     num_speculative_tokens, self.max_model_len, self.sampler.generator)
+        if speculative is not None:
+            self.speculator.default = self.add_drafter(speculative)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -153,6 +158,31 @@ class Engine:
                 raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
         loaded = load_model(model, torch_dtype, dev)
         return cls(loaded.model, loaded.tokenizer, name=loaded.name, **kwargs)
+
+    def add_drafter(self, speculative) -> str:
+        """Register a drafter for speculative decoding and return its name: "ngram", a draft model
+        id/path (loaded now), a loaded model, or any object with the `Drafter` methods."""
+        from .drafters import DraftModelDrafter
+        if isinstance(speculative, str):
+            if speculative in self.speculator.drafters:
+                return speculative
+            draft = load_model(speculative, self.dtype, self.device).model   # slow: not under the lock
+            name = speculative
+        elif hasattr(speculative, "propose"):
+            with self._lock:
+                self.speculator.drafters[speculative.name] = speculative
+            return speculative.name
+        elif isinstance(speculative, torch.nn.Module):
+            draft = speculative
+            name = getattr(draft.config, "_name_or_path", None) or f"draft-{id(draft):x}"
+        else:
+            raise ValueError(f"speculative must be 'ngram', a draft model id/path or a model, "
+                             f"got {speculative!r}")
+        drafter = DraftModelDrafter(draft, name, self.pool.num_blocks, self.block_size, self.device,
+                                    self.runner.backend, self.vocab_size, self.seed)
+        with self._lock:
+            self.speculator.drafters.setdefault(name, drafter)
+        return name
 
     def _default_kv_bytes(self) -> int:
         """CPU: a modest 1 GiB. CUDA: 90% of what is free after weights, minus an activation reserve."""
@@ -185,6 +215,8 @@ class Engine:
         if self.allocator == "contiguous" and (isinstance(params, BeamSearchParams) or params.n > 1):
             raise ValueError("the contiguous baseline cannot share a prompt between samples or beams: "
                              "use n=1 without beams, or allocator='paged'")
+        if isinstance(getattr(params, "speculative", None), str):
+            self.add_drafter(params.speculative)   # a draft model named per request loads once
         text, ids = self._tokenize(prompt)
         beam = None
         if isinstance(params, BeamSearchParams):
@@ -279,13 +311,21 @@ class Engine:
                     raise RuntimeError("the scheduler could not run any request: the pool is too small")
                 return []
             record = sched.record() if self.trace is not None else None
+            drafts: dict = {}
             try:
+                drafts = self.speculator.propose(sched)
                 sampling, logits = self.runner.execute(sched.chunks, sched.copies,
                                                        sched.swap_out, sched.swap_in)
             except BaseException as err:
+                self.speculator.discard(drafts)
                 self._fail_all(err)
                 raise
             now = time.perf_counter()
+            self.speculator.observe(sched, drafts, self.runner.last_forward_s)
+            verified = []
+            if drafts:   # takes the drafts back out of token_ids before anything is hashed
+                sampling, logits, verified = self.speculator.split(sampling, logits, drafts,
+                                                                   self.sampler.generator)
             touched: dict[str, Request] = {}
             for c in sched.chunks:
                 seq = c.seq
@@ -312,6 +352,8 @@ class Engine:
                 raise
             for seq, token in zip(seqs, tokens):
                 self._append_token(seq, token, now)
+            for seq, accepted in verified:
+                tokens.extend(accepted[:self._append_verified(seq, accepted, now)])
             num_beam_tokens = self._advance_beams(beam_rows, logits, now) if beam_rows else 0
             outputs = []
             for req in touched.values():
@@ -393,6 +435,19 @@ class Engine:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+
+    def _append_verified(self, seq: Sequence, accepted: list[int], now: float) -> int:
+        """Kept drafts plus the target's token (how many were appended before a stop): the kept
+        drafts' KV stays, rejected slots roll back and emptied blocks return to the pool."""
+        num_computed = seq.num_tokens + len(accepted) - 1
+        self.speculator.roll_back(seq, num_computed)
+        for i, token in enumerate(accepted):
+            self._append_token(seq, token, now)
+            if seq.is_finished:
+                return i + 1
+        seq.num_computed_tokens = num_computed
+        self.scheduler.cache_computed_blocks(seq)
+        return len(accepted)
 
     def _finish_request(self, req: Request, now: float) -> None:
         req.metrics.finish_time = now
@@ -641,6 +696,7 @@ class Engine:
                     if n > fill.get(block.block_id, 0):
                         fill[block.block_id] = n
             tokens_stored = sum(fill.values())
+            spec = self.speculator.stats
             now = time.perf_counter()
             window = [(t, n) for t, n in self._token_times if now - t <= 10.0]
             tps = 0.0
@@ -663,6 +719,9 @@ class Engine:
                 tokens_per_s=tps, num_generated_tokens=self.num_generated_tokens,
                 num_finished=len(self.finished_requests),
                 latency_percentiles=self._percentiles(), num_block_refs=sum(refs),
+                spec_num_verifications=spec.num_verifications, spec_proposed_tokens=spec.num_proposed,
+                spec_accepted_tokens=spec.num_accepted, spec_acceptance_rate=spec.acceptance_rate,
+                spec_mean_accepted_length=spec.mean_accepted_length,
             )
 
     def _percentiles(self) -> dict[str, dict[str, float]]:
@@ -692,9 +751,18 @@ class Engine:
                     states.append("cached")
                 else:
                     states.append("free")
+            spec = self.speculator.stats
+            # Drafts live only inside a locked step, so no block is ever "speculative" here;
+            # what the last step did with its drafts is reported instead.
+            speculative = {"proposed": spec.num_proposed, "accepted": spec.num_accepted,
+                           "acceptance_rate": spec.acceptance_rate,
+                           "mean_accepted_length": spec.mean_accepted_length,
+                           "last_step_draft_slots": spec.last_step_draft_slots,
+                           "last_step_rolled_back_slots": spec.last_step_rolled_back,
+                           "last_step_freed_blocks": list(spec.last_step_freed_blocks)}
             return {"num_blocks": self.pool.num_blocks, "block_size": self.block_size,
                     "states": states, "ref_counts": [b.ref_count for b in self.pool.blocks],
-                    "owners": owners}
+                    "owners": owners, "speculative": speculative}
 
     def check_invariants(self) -> None:
         """Assert every invariant of DESIGN.md; raises AssertionError naming the broken one."""
@@ -745,6 +813,9 @@ class Engine:
             for rid in list(self._requests):
                 self.abort(rid)
             self.kv_cache.release()
+            for drafter in self.speculator.drafters.values():
+                if hasattr(drafter, "release"):
+                    drafter.release()
             self.runner.model = None
             self.model = None
         gc.collect()

@@ -22,7 +22,7 @@ from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Pa
 
 COMMANDS = ("load", "unload", "status", "requests", "reset-cache", "monitor", "bench", "plan", "help")
 LOAD_OPTIONS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
-                "no_prefix_caching", "preemption", "allocator")
+                "no_prefix_caching", "preemption", "allocator", "speculative", "num_speculative_tokens")
 DEFAULT_MAX_TOKENS = 128
 _FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)*)\}")
 _SEPARATOR = re.compile(r"^[ \t]*---[ \t]*$", re.MULTILINE)
@@ -133,6 +133,10 @@ class PagedKVMagics(Magics):
     @argument("--no-prefix-caching", action="store_true", help="load: turn the prefix cache off")
     @argument("--preemption", default="recompute", choices=("recompute", "swap"),
               help="load: what to do when blocks run out")
+    @argument("--speculative", default=None, metavar="ngram|MODEL",
+              help="load: speculative decoding for every request (n-gram lookup or a draft model)")
+    @argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+              help="load: most draft tokens verified per step (4)")
     @argument("--allocator", default="paged", choices=("paged", "contiguous"),
               help="load: paged blocks, or the contiguous baseline")
     @line_magic
@@ -160,7 +164,8 @@ class PagedKVMagics(Magics):
         kwargs = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
                       num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
                       max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                      preemption_mode=args.preemption, allocator=args.allocator)
+                      preemption_mode=args.preemption, allocator=args.allocator,
+                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
         replaced = self.session.engine is not None
         try:
             self.session.load(args.model, **kwargs)
@@ -264,9 +269,12 @@ class PagedKVMagics(Magics):
         """Generate from the cell's text (several prompts, separated by `---` lines, run concurrently)."""
         args = parse_line(self.generate, line)
         engine = self.session.require_engine()
-        if args.speculative is not None:
-            raise UsageError("--speculative is not available yet: drop it (generation is exact without it)")
         params = self._params(args)
+        if args.speculative is not None:
+            try:
+                params.speculative = engine.add_drafter(args.speculative)
+            except ValueError as err:   # an unknown draft model, another vocabulary
+                raise UsageError(f"--speculative: {err}") from None
         params.n = args.n
         if args.n < 1:
             raise UsageError(f"--n must be >= 1, got {args.n}")
@@ -444,7 +452,8 @@ def _beam_params(args):
         raise UsageError(f"--beams must be >= 1, got {args.beams}")
     clash = [name for name, used in (("--n", args.n != 1), ("--temperature", args.temperature != 0.0),
                                      ("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
-                                     ("--seed", args.seed is not None), ("--stop", bool(args.stop)))
+                                     ("--seed", args.seed is not None), ("--stop", bool(args.stop)),
+                                     ("--speculative", args.speculative is not None))
              if used]
     if clash:
         raise UsageError(f"--beams is deterministic and cannot be combined with {', '.join(clash)}: "

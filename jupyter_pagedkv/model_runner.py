@@ -84,7 +84,8 @@ class ModelRunner:
             meta.decode_block_tables = padded[:nd, :dec_blocks].long().to(self.device)
             lens = torch.tensor(seq_lens[:nd]).view(nd, 1)
             meta.decode_mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1).to(self.device)
-        sample_rows = [q_loc[i + 1] - 1 for i, c in enumerate(ordered) if c.samples]
+        sample_rows = [r for i, c in enumerate(ordered) if c.samples
+                       for r in range(q_loc[i + 1] - c.num_logits, q_loc[i + 1])]
         inputs = {
             "input_ids": torch.tensor([ids], device=self.device),
             "position_ids": torch.tensor([positions], device=self.device),
@@ -97,7 +98,8 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]],
                 swap_out: list[tuple[int, int]] = (), swap_in: list[tuple[int, int]] = ()
                 ) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Run one step; returns the sampling chunks and their logits `[num_sampling, vocab]`, in order."""
+        """Run one step; returns the sampling chunks and their logits, in order: `num_logits` rows
+        per chunk (one, or k + 1 for a chunk verifying k draft tokens)."""
         if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             # Someone (a test, a peer benchmark) switched the model back to another attention.
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)

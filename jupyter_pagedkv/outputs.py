@@ -93,6 +93,10 @@ class EngineStats:
     tokens_stored: distinct slots holding KV of live sequences; slots_allocated = num_used x
     block_size; internal_waste = slots_allocated - tokens_stored.
     prefix_cache_queries / _hits: prompt tokens looked up / found in the cache at admission.
+    spec_proposed_tokens / spec_accepted_tokens: draft tokens verified / kept (speculative
+    decoding); spec_acceptance_rate = accepted / proposed; spec_num_verifications: sequence-steps
+    that verified drafts; spec_mean_accepted_length = accepted / verifications (drafts kept per
+    verification, the target's own token not counted: tokens per forward = 1 + this).
     """
 
     num_blocks: int
@@ -118,6 +122,11 @@ class EngineStats:
     latency_percentiles: dict[str, dict[str, float]] = field(default_factory=dict)
     # Sum of ref counts = blocks the live sequences would hold if none were shared (private copies).
     num_block_refs: int = 0
+    spec_num_verifications: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -137,6 +146,10 @@ class EngineStats:
             f"{self.num_finished} finished, {self.num_preemptions} preemptions",
             f"recent throughput: {self.tokens_per_s:.1f} generated tokens/s (last 10 s of steps)",
         ]
+        if self.spec_proposed_tokens:
+            lines.append(f"speculative: {self.spec_accepted_tokens} / {self.spec_proposed_tokens} draft "
+                         f"tokens accepted ({self.spec_acceptance_rate:.1%}), "
+                         f"{self.spec_mean_accepted_length:.2f} per verification")
         ttft = self.latency_percentiles.get("ttft")
         if ttft:
             lat = self.latency_percentiles["latency"]

@@ -17,6 +17,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False
+    # Speculative decoding for this request: None = the engine's default, False = off,
+    # "ngram" or a draft model id/path = that drafter.
+    speculative: str | bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +40,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if not (self.speculative is None or isinstance(self.speculative, (bool, str))) or \
+                self.speculative == "":
+            raise ValueError(f"speculative must be None, False, 'ngram' or a draft model id/path, "
+                             f"got {self.speculative!r}")
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +59,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False   # True, False or "never", as transformers reads them
     ignore_eos: bool = False
+    # Speculative decoding for this request: None = the engine's default, False = off,
+    # "ngram" or a draft model id/path = that drafter.
+    speculative: str | bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()

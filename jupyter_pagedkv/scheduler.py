@@ -25,6 +25,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    num_logits: int = 1   # logits rows wanted at the chunk's end (k + 1 when verifying k drafts)
 
     @property
     def samples(self) -> bool:

@@ -64,7 +64,6 @@ def test_unknown_model_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(speculative="ngram"), "speculative"),
     (dict(preemption_mode="lru"), "preemption_mode"),
     (dict(preemption_mode="swap", swap_space="1KiB"), "swap_space"),
     (dict(allocator="buddy"), "allocator"),

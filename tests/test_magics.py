@@ -161,6 +161,14 @@ def test_generate_streams_greedy_text_and_stores_it_with_out(ip, capsys):
     assert footer(out) in printed
 
 
+def test_generate_speculative_ngram_is_exact_and_counts_drafts(ip):
+    cell = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox."
+    before = current().engine.stats().spec_proposed_tokens
+    run(ip, f"%%generate --max-tokens 24 --speculative ngram --no-stream --out s\n{cell}")
+    assert ip.user_ns["s"].text == greedy_alone(cell, 24)
+    assert current().engine.stats().spec_proposed_tokens > before
+
+
 @pytest.fixture
 def terminal_writes(monkeypatch) -> list[str]:
     """Every string the terminal renderer writes, in order."""
@@ -220,7 +228,8 @@ def test_system_and_raw_and_stop(ip):
     ("--n 0", "--n must be >= 1"),
     ("--beams 0", "--beams must be >= 1"),
     ("--beams 2 --temperature 0.5 --n 2", "--beams is deterministic .* --n, --temperature: drop them"),
-    ("--speculative ngram", "--speculative is not available yet"),
+    ("--beams 2 --speculative ngram", "--beams is deterministic .* --speculative: drop it"),
+    ("--speculative no/such/draft-model", "--speculative: no model folder"),
     ("--temperature -1", "temperature must be >= 0"),
     ("--max-tokens 0", "--max-tokens must be a positive integer"),
     ("--top-p 2", "--top-p must be in"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,chat,sharing,tail,kernels} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,chat,sharing,speculative,tail,kernels} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -17,6 +17,8 @@ def main(argv: list[str]) -> int:
         from .chat import main as run
     elif name == "sharing":
         from .sharing import main as run
+    elif name == "speculative":
+        from .speculative import main as run
     elif name == "tail":
         from .tail import main as run
     elif name == "kernels":
