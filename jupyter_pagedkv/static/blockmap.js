@@ -225,7 +225,7 @@ export function gaugeRows(g) {
   const rows = [
     ["KV used", `${pct(g.kv_cache_usage)} (${g.num_used.toLocaleString()} of ${n.toLocaleString()} blocks)`],
     ["cached", `${pct(g.num_cached / n)} (${g.num_cached.toLocaleString()} blocks)`],
-    ["shared", `${g.num_shared.toLocaleString()} blocks`],
+    ["shared", `${g.num_shared.toLocaleString()} block${g.num_shared === 1 ? "" : "s"}`],
     ["internal waste", `${g.internal_waste.toLocaleString()} of ${g.slots_allocated.toLocaleString()} slots` +
       (g.slots_allocated ? ` (${pct(g.internal_waste / g.slots_allocated)})` : "")],
     ["prefix hit rate", pct(g.prefix_hit_rate)],
