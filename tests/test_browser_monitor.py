@@ -29,8 +29,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("PAGEDKV_CHROMIUM", "/usr/bin/chromium")
-LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run"]
+LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--no-first-run"]
 WIDGET_CANVAS = ".jp-OutputArea .pkv-root canvas.pkv-blocks"
 PANEL_CANVAS = "#jupyter-pagedkv-panel canvas.pkv-blocks"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,kernels,chat} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,kernels,chat,monitor} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -15,6 +15,8 @@ def main(argv: list[str]) -> int:
         from .throughput import main as run
     elif name == "chat":
         from .chat import main as run
+    elif name == "monitor":
+        from .monitor import main as run
     elif name == "kernels":
         from jupyter_pagedkv.kernels_bridge import kernel_module
         run = kernel_module("bench").main
