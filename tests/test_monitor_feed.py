@@ -247,3 +247,24 @@ def test_the_comm_subscribes_to_the_same_feed_and_sends_binary_diffs(make_engine
     empty.handler({"content": {"data": {"request": "subscribe", "diffs": True}}})
     assert empty.sent == [({"response": "frame", "loaded": False}, [])]
     engine.abort(engine.live_requests()[0].request_id)
+
+
+def test_a_periodic_full_scan_catches_states_the_pool_did_not_record(make_engine, monkeypatch):
+    engine = make_engine(MODEL, block_size=4, num_blocks=16)
+    feed = MonitorFeed(engine, threaded=False, resync_interval=0.0)
+    replica = Replica()
+    feed.subscribe(replica)
+    real = engine.pool_snapshot
+
+    def marking_block_9(block_ids=None):      # as a feature that flags blocks without a ref change
+        snap = real(block_ids)
+        if block_ids is None:
+            snap["states"][9] = "speculative"
+        return snap
+
+    monkeypatch.setattr(engine, "pool_snapshot", marking_block_9)
+    rid = engine.add_request(PROMPT[:5], GREEDY)
+    engine.step()
+    feed.publish()
+    assert replica.states()[9] == "speculative"
+    engine.abort(rid)

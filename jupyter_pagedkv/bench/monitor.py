@@ -37,11 +37,11 @@ class CommLike:
         self.bytes += len(json.dumps(data)) + sum(len(b) for b in buffers)
 
 
-def overhead(rounds: int, kv_cache_memory: str) -> dict:
+def overhead(rounds: int, kv_cache_memory: str, max_tokens: int) -> dict:
     from jupyter_pagedkv import Engine, SamplingParams
 
     engine = Engine.from_pretrained(kv_cache_memory=kv_cache_memory, max_num_seqs=64)
-    work = chat_requests(32)
+    work = chat_requests(32, min_tokens=min(16, max_tokens), max_tokens=max_tokens)
     prompts = [engine.apply_chat_template(r.messages) for r in work]
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in work]
     engine.start()
@@ -148,22 +148,25 @@ def main(argv: list[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="runs of each system (alternating)")
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--max-tokens", type=int, default=128,
+                    help="longest request of the 32 (seeded in [16, N]; 128 = the throughput workload)")
     ap.add_argument("--num-blocks", type=int, default=100_000, help="pool size for the per-update cost")
     ap.add_argument("--seconds", type=float, default=20.0, help="how long to sample updates")
     ap.add_argument("--skip-overhead", action="store_true")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.num_blocks < 1 or args.seconds <= 0:
-        ap.error("--rounds, --num-blocks and --seconds must be positive")
+    if args.rounds < 1 or args.num_blocks < 1 or args.seconds <= 0 or args.max_tokens < 1:
+        ap.error("--rounds, --num-blocks, --seconds and --max-tokens must be positive")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if not args.skip_overhead:
-        print(f"1. monitor overhead: 32 chat requests, embedded model, {args.rounds} rounds (ABBA)")
-        o = overhead(args.rounds, args.kv_cache_memory)
+        print(f"1. monitor overhead: 32 chat requests (max_tokens 16-{args.max_tokens}), embedded model, "
+              f"{args.rounds} rounds (ABBA)")
+        o = overhead(args.rounds, args.kv_cache_memory, args.max_tokens)
         print(f"   {o['tokens']} tokens; median without monitor {o['off_s']:.2f} s "
               f"({o['tokens'] / o['off_s']:.1f} tok/s), with monitor {o['on_s']:.2f} s "
               f"({o['tokens'] / o['on_s']:.1f} tok/s): overhead {o['overhead']:+.1%} (target <= 5%)")
         print(f"   monitors: {'anywidget + ' if o['widget'] else ''}comm subscriber; {o['frames']} frames "
               f"per run, {o['bytes_per_frame']:.0f} bytes per frame, feed thread busy "
-              f"{o['publish_s_per_run']:.2f} s per run")
+              f"{o['publish_s_per_run']:.2f} s per run ({o['publish_s_per_run'] / o['on_s']:.2%} of the run)")
     print(f"2. cost per update at {args.num_blocks:,} blocks (tiny model, 128 requests decoding, "
           f"{args.seconds:.0f} s)")
     u = per_update(args.num_blocks, args.seconds)
