@@ -1,9 +1,10 @@
 """`python -m jupyter_pagedkv.bench monitor`: what a live monitor costs.
 
 1. Overhead: the 32-request chat workload on the embedded model, generated through the background
-   stepping thread as in a notebook, alternately with no monitor and with monitors open (the
-   anywidget, whose state is serialised as for a kernel, plus a comm subscriber that encodes
-   every frame as the side panel receives it). Rounds alternate in ABBA order; medians and ratio.
+   stepping thread as in a notebook, with monitors (the anywidget, whose state is serialised as
+   for a kernel, plus a comm subscriber that encodes every frame as the side panel receives it)
+   switched on and off every second; adjacent on/off stretches are compared (see `interleaved`).
+   `--rounds N` also times whole runs with and without monitors, alternating ABBA (medians).
 2. Cost per update at 100,000 blocks: a tiny model (the cost does not depend on the weights)
    with a 100,000-block pool, ~40% of it cached prefixes, then 128 requests decoding while the
    feed publishes at 10 Hz from its own thread; the time of each publish (snapshot of the changed
@@ -88,6 +89,72 @@ def overhead(rounds: int, kv_cache_memory: str, max_tokens: int) -> dict:
             "publish_s_per_run": sent["publish_s"] / rounds}
 
 
+def interleaved(kv_cache_memory: str, max_tokens: int, period: float) -> dict:
+    """One 32-request generation with the monitors switched on and off every `period` seconds.
+
+    Load from other jobs drifts over minutes, so whole runs compared one after another measure
+    mostly that drift; here each "on" stretch is compared with the "off" stretch right after it,
+    whose batch (running requests, context lengths) is nearly the same. The figure is the median
+    over those pairs of (mean step interval on) / (mean step interval off), where a step
+    interval is the time from the end of one step to the end of the next: it includes any wait
+    for the engine lock or the GIL that the monitor causes."""
+    import threading
+
+    from jupyter_pagedkv import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(kv_cache_memory=kv_cache_memory, max_num_seqs=64)
+    work = chat_requests(32, min_tokens=min(16, max_tokens), max_tokens=max_tokens)
+    prompts = [engine.apply_chat_template(r.messages) for r in work]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in work]
+    engine.start()
+    engine.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2)     # warm-up
+    widget = engine.monitor()
+    feed = engine.monitor_feed
+    feed.unsubscribe(widget._token)               # switched on and off below
+    comm = CommLike()
+    state = {"on": False}
+    ends: list[tuple[float, bool]] = []
+    engine.add_step_listener(lambda: ends.append((time.perf_counter(), state["on"])))
+    done = threading.Event()
+
+    def toggle() -> None:
+        tokens: list[int] = []
+        while not done.wait(period):
+            if state["on"]:
+                for t in tokens:
+                    feed.unsubscribe(t)
+                tokens.clear()
+            else:
+                tokens[:] = [feed.subscribe(widget._receive), feed.subscribe(comm)]
+            state["on"] = not state["on"]
+        for t in tokens:
+            feed.unsubscribe(t)
+
+    switcher = threading.Thread(target=toggle, daemon=True)
+    switcher.start()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    done.set()
+    switcher.join()
+    assert sum(len(o.token_ids) for o in outs) == sum(r.max_tokens for r in work)
+    # Group consecutive step intervals by the state at the step's end, then pair each "on"
+    # stretch with the "off" stretch that follows it.
+    stretches: list[tuple[bool, list[float]]] = []
+    for (t_prev, _), (t, on) in zip(ends, ends[1:]):
+        if not stretches or stretches[-1][0] != on:
+            stretches.append((on, []))
+        stretches[-1][1].append(t - t_prev)
+    ratios = [statistics.mean(a) / statistics.mean(b) for (on_a, a), (on_b, b) in zip(stretches, stretches[1:])
+              if on_a and not on_b]
+    engine.check_invariants()
+    engine.shutdown()
+    return {"tokens": sum(r.max_tokens for r in work), "elapsed_s": elapsed, "pairs": len(ratios),
+            "steps": len(ends), "overhead": statistics.median(ratios) - 1 if ratios else float("nan"),
+            "frames": comm.frames, "bytes_per_frame": comm.bytes / max(1, comm.frames),
+            "publish_s": sum(feed.publish_times)}
+
+
 def per_update(num_blocks: int, seconds: float) -> dict:
     import transformers as tf
 
@@ -146,7 +213,10 @@ def per_update(num_blocks: int, seconds: float) -> dict:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.bench monitor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3, help="runs of each system (alternating)")
+    ap.add_argument("--period", type=float, default=1.0,
+                    help="seconds between switching the monitors on and off in the interleaved run")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="also time whole runs with and without monitors, N each, ABBA (0: skip)")
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--max-tokens", type=int, default=128,
                     help="longest request of the 32 (seeded in [16, N]; 128 = the throughput workload)")
@@ -154,11 +224,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="how long to sample updates")
     ap.add_argument("--skip-overhead", action="store_true")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.num_blocks < 1 or args.seconds <= 0 or args.max_tokens < 1:
+    if args.rounds < 0 or args.period <= 0 or args.num_blocks < 1 or args.seconds <= 0 or args.max_tokens < 1:
         ap.error("--rounds, --num-blocks, --seconds and --max-tokens must be positive")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if not args.skip_overhead:
-        print(f"1. monitor overhead: 32 chat requests (max_tokens 16-{args.max_tokens}), embedded model, "
+        print(f"1. monitor overhead, interleaved: 32 chat requests (max_tokens 16-{args.max_tokens}), "
+              f"embedded model, monitors (anywidget + comm subscriber) on/off every {args.period:g} s")
+        i = interleaved(args.kv_cache_memory, args.max_tokens, args.period)
+        print(f"   {i['tokens']} tokens in {i['elapsed_s']:.1f} s ({i['tokens'] / i['elapsed_s']:.1f} tok/s), "
+              f"{i['steps']} steps, {i['pairs']} on/off pairs: step interval with monitors / without, "
+              f"median {1 + i['overhead']:.3f} = overhead {i['overhead']:+.1%} (target <= 5%)")
+        print(f"   {i['frames']} frames while on, {i['bytes_per_frame']:.0f} bytes per frame; feed thread "
+              f"busy {i['publish_s']:.2f} s in all ({i['publish_s'] / i['elapsed_s']:.2%} of the run)")
+    if not args.skip_overhead and args.rounds:
+        print(f"1b. monitor overhead: 32 chat requests (max_tokens 16-{args.max_tokens}), embedded model, "
               f"{args.rounds} rounds (ABBA)")
         o = overhead(args.rounds, args.kv_cache_memory, args.max_tokens)
         print(f"   {o['tokens']} tokens; median without monitor {o['off_s']:.2f} s "
