@@ -12,9 +12,7 @@ import { mount, statusText, View } from '../../jupyter_pagedkv/static/blockmap.j
 
 const TARGET = 'jupyter_pagedkv.monitor';
 const PANEL_ID = 'jupyter-pagedkv-panel';
-// The comm target appears when a cell runs `%load_ext jupyter_pagedkv`, so connecting is retried
-// whenever the kernel goes back to idle after a cell, and otherwise only this often.
-const RETRY_MS = 10000;
+const RETRY_MS = 2000;
 
 const icon = new LabIcon({
   name: 'jupyter-pagedkv:blocks',
@@ -48,21 +46,9 @@ class KernelLink {
       return;
     }
     this.closeComm();
-    if (this.kernel && !this.kernel.isDisposed) {
-      this.kernel.statusChanged.disconnect(this.onStatus, this);
-    }
     this.kernel = kernel;
-    if (kernel) {
-      kernel.statusChanged.connect(this.onStatus, this);
-    }
     this.emit({ loaded: false });
     this.tick();
-  }
-
-  private onStatus(_: Kernel.IKernelConnection, status: Kernel.Status): void {
-    if (status === 'idle') {
-      this.tick();
-    }
   }
 
   private tick(): void {
