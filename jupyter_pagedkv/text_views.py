@@ -48,7 +48,8 @@ def block_map(snapshot: dict, width: int = 64, max_chars: int = 512) -> str:
     rank = {"free": 0, "cached": 1, "used": 2, "shared": 3}
     states = snapshot["states"]
     group = max(1, -(-len(states) // max_chars))
-    chars = "".join(symbol[max(states[i:i + group], key=rank.__getitem__)]
+    # States added later (swapped, speculative, ...) show as their first letter, ranked as used.
+    chars = "".join(symbol.get(s := max(states[i:i + group], key=lambda x: rank.get(x, 2)), s[0])
                     for i in range(0, len(states), group))
     lines = [chars[i:i + width] for i in range(0, len(chars), width)]
     scale = "one character per block" if group == 1 else f"one character per {group} blocks"

@@ -167,3 +167,13 @@ def test_a_subscribed_monitor_gets_snapshots_while_a_cell_generates(kernel):
             break
     kc.shell_channel.send(kc.session.msg("comm_close", {"comm_id": comm_id, "data": {}}))
     assert running_seen >= 3      # pushed from a kernel thread while the cell held the main thread
+
+
+def test_monitor_magic_shows_the_widget_with_a_deterministic_text_repr(kernel):
+    cell = kernel.execute("%pagedkv monitor")
+    assert not errors(cell), errors(cell)
+    shown = next(o for o in cell.outputs if o.output_type == "display_data").data
+    assert "application/vnd.jupyter.widget-view+json" in shown       # the live widget
+    # nbval compares text/plain: no model id, no changing gauge in it.
+    assert re.fullmatch(r"BlockPoolMonitor\('SmolLM2-135M-Instruct': [\d,]+ blocks × 16 tokens\)",
+                        shown["text/plain"]), shown["text/plain"]

@@ -1,0 +1,391 @@
+// The block-pool monitor's drawing code, one module for two hosts: its default export is the
+// anywidget module of jupyter_pagedkv.widgets.BlockPoolMonitor (no build step), and the JupyterLab
+// side panel (labextension/src/index.ts) imports the named exports. Plain ES2020, no imports.
+//
+// Data: frames from jupyter_pagedkv/monitor_feed.py. A full frame replaces the picture; a diff
+// (`prev` = the seq it applies on) carries parallel arrays ids (uint32), codes (uint8, index into
+// `legend`) and refs (uint8, ref count capped at 255) for the blocks that changed.
+
+/** RGB of each known state; any other state name gets a stable colour from its name. */
+export const COLORS = {
+  free: [229, 231, 235],
+  cached: [147, 197, 253],
+  used: [22, 163, 74],
+  shared: [249, 115, 22],
+  swapped: [139, 92, 246],
+  speculative: [234, 179, 8],
+};
+// Bottom-to-top order of the stacked bars drawn when one cell stands for several blocks.
+const STACK = ["shared", "speculative", "used", "swapped", "cached", "free"];
+const BACKGROUND = [255, 255, 255];
+const MARK = [124, 45, 18]; // the ref-count mark on shared blocks
+const HISTORY = 240;
+
+export function colorOf(state) {
+  if (COLORS[state]) return COLORS[state];
+  let h = 0;
+  for (const ch of String(state)) h = (h * 31 + ch.charCodeAt(0)) >>> 0;
+  return [64 + (h & 127), 64 + ((h >> 7) & 127), 64 + ((h >> 14) & 127)];
+}
+
+const css = (rgb) => `rgb(${rgb[0]},${rgb[1]},${rgb[2]})`;
+
+function bytesOf(x) {
+  if (!x) return new Uint8Array(0);
+  if (x instanceof Uint8Array) return x;
+  if (ArrayBuffer.isView(x)) return new Uint8Array(x.buffer, x.byteOffset, x.byteLength);
+  if (x instanceof ArrayBuffer) return new Uint8Array(x);
+  return Uint8Array.from(x);
+}
+
+function u32Of(x) {
+  const b = bytesOf(x).slice(); // a fresh, aligned copy
+  return new Uint32Array(b.buffer, 0, b.byteLength >> 2);
+}
+
+export function createStore() {
+  return {
+    seq: -1, numBlocks: 0, blockSize: 0, legend: [], codes: new Uint8Array(0),
+    refs: new Uint8Array(0), owners: new Map(), gauges: null, history: [], closed: false,
+  };
+}
+
+/** Fold one frame into the store: "ok", "stale" (older than what we have), "gap" (a diff whose
+ * base we never saw: ask for a full frame) or "skip" (not a frame). */
+export function applyFrame(store, frame) {
+  if (!frame || typeof frame !== "object") return "skip";
+  if (frame.closed) {
+    store.closed = true;
+    return "ok";
+  }
+  if (typeof frame.seq !== "number") return "skip";
+  if (frame.full) {
+    if (frame.seq < store.seq) return "stale";
+    store.numBlocks = frame.num_blocks;
+    store.blockSize = frame.block_size;
+    store.legend = frame.legend.slice();
+    store.codes = bytesOf(frame.codes).slice();
+    store.refs = bytesOf(frame.refs).slice();
+    store.owners = new Map(Object.entries(frame.owners || {}).map(([k, v]) => [Number(k), v]));
+    store.gauges = frame.gauges;
+    store.history = (frame.history || []).slice(-HISTORY);
+    store.seq = frame.seq;
+    store.closed = false;
+    return "ok";
+  }
+  if (frame.seq <= store.seq) return "stale";
+  if (frame.prev !== store.seq) return "gap";
+  const ids = u32Of(frame.ids);
+  const codes = bytesOf(frame.codes);
+  const refs = bytesOf(frame.refs);
+  for (let i = 0; i < ids.length; i++) {
+    store.codes[ids[i]] = codes[i];
+    store.refs[ids[i]] = refs[i];
+  }
+  for (const [k, v] of Object.entries(frame.owners || {})) {
+    if (v.length) store.owners.set(Number(k), v);
+    else store.owners.delete(Number(k));
+  }
+  store.legend = frame.legend.slice();
+  store.gauges = frame.gauges;
+  store.history.push(frame.gauges.kv_cache_usage);
+  if (store.history.length > HISTORY) store.history.splice(0, store.history.length - HISTORY);
+  store.seq = frame.seq;
+  return "ok";
+}
+
+/** Cells of `cell` px in rows of `cols`; one block per cell, or `group` blocks per cell when the
+ * pool has more blocks than fit at 3 px each (then a cell is a stacked bar of its states). */
+export function layout(numBlocks, width, maxHeight) {
+  const n = Math.max(1, numBlocks);
+  let cell = Math.min(14, Math.floor(Math.sqrt((width * maxHeight) / n)));
+  let group = 1;
+  if (cell < 3) {
+    cell = 3;
+    const capacity = Math.floor(width / cell) * Math.floor(maxHeight / cell);
+    group = Math.ceil(n / Math.max(1, capacity));
+  }
+  const cols = Math.max(1, Math.floor(width / cell));
+  const cells = Math.ceil(n / group);
+  const rows = Math.ceil(cells / cols);
+  return { cell, cols, rows, group, cells, width: cols * cell, height: rows * cell, gap: cell >= 5 ? 1 : 0 };
+}
+
+/** Paint the block map into `canvas` (1 canvas px per CSS px, so pixels can be checked). */
+export function drawBlocks(canvas, store, lay, highlight) {
+  canvas.width = lay.width;
+  canvas.height = lay.height;
+  canvas.style.width = `${lay.width}px`;
+  canvas.style.height = `${lay.height}px`;
+  const ctx = canvas.getContext("2d");
+  if (!ctx || !lay.width || !lay.height) return;
+  const img = ctx.createImageData(lay.width, lay.height);
+  const px = img.data;
+  for (let i = 0; i < px.length; i += 4) {
+    px[i] = BACKGROUND[0]; px[i + 1] = BACKGROUND[1]; px[i + 2] = BACKGROUND[2]; px[i + 3] = 255;
+  }
+  const fill = (x0, y0, w, h, rgb) => {
+    for (let y = y0; y < y0 + h; y++) {
+      let o = (y * lay.width + x0) * 4;
+      for (let x = 0; x < w; x++, o += 4) {
+        px[o] = rgb[0]; px[o + 1] = rgb[1]; px[o + 2] = rgb[2];
+      }
+    }
+  };
+  const colors = store.legend.map(colorOf);
+  const { cell, gap, group, cols } = lay;
+  const inner = cell - gap;
+  const rank = store.legend.map((s) => (STACK.indexOf(s) < 0 ? 1.5 : STACK.indexOf(s)));
+  const order = store.legend.map((_, i) => i).sort((a, b) => rank[a] - rank[b]);
+  const counts = new Uint32Array(store.legend.length);
+  const freeCode = store.legend.indexOf("free");
+  const labels = [];
+  for (let c = 0; c < lay.cells; c++) {
+    const x0 = (c % cols) * cell;
+    const y0 = Math.floor(c / cols) * cell;
+    const start = c * group;
+    if (group === 1) {
+      const code = store.codes[start];
+      fill(x0, y0, inner, inner, colors[code] || BACKGROUND);
+      const ref = store.refs[start];
+      if (ref > 1) {
+        if (inner >= 10) labels.push([x0, y0, ref]);
+        else fill(x0, y0, Math.max(1, inner >> 1), Math.max(1, inner >> 1), MARK);
+      }
+      continue;
+    }
+    counts.fill(0);
+    const end = Math.min(store.numBlocks, start + group);
+    for (let b = start; b < end; b++) counts[store.codes[b]]++;
+    // Stacked from the bottom, busiest states first; a state present gets at least 1 px.
+    let y = y0 + inner;
+    let left = inner;
+    const total = end - start;
+    for (const code of order) {
+      if (!counts[code] || left <= 0) continue;
+      let h = Math.round((counts[code] / total) * inner);
+      if (h === 0 && code !== freeCode) h = 1;
+      h = Math.min(h, left);
+      if (h > 0) fill(x0, y - h, inner, h, colors[code]);
+      y -= h;
+      left -= h;
+    }
+  }
+  ctx.putImageData(img, 0, 0);
+  if (highlight && highlight.size && group === 1) {
+    ctx.strokeStyle = "rgb(17,24,39)";
+    ctx.lineWidth = 1;
+    for (const b of highlight) {
+      ctx.strokeRect((b % cols) * cell + 0.5, Math.floor(b / cols) * cell + 0.5, inner - 1, inner - 1);
+    }
+  }
+  if (labels.length) {
+    ctx.fillStyle = css(MARK);
+    ctx.font = `${Math.max(7, inner - 4)}px sans-serif`;
+    ctx.textAlign = "center";
+    ctx.textBaseline = "middle";
+    for (const [x, y, ref] of labels) ctx.fillText(ref > 9 ? "+" : String(ref), x + inner / 2, y + inner / 2 + 0.5);
+  }
+}
+
+/** A sparkline of KV usage (0..1) over the recent frames. */
+export function drawSparkline(canvas, history) {
+  const w = canvas.width, h = canvas.height;
+  const ctx = canvas.getContext("2d");
+  if (!ctx) return;
+  ctx.clearRect(0, 0, w, h);
+  ctx.strokeStyle = "rgba(128,128,128,0.35)";
+  ctx.strokeRect(0.5, 0.5, w - 1, h - 1);
+  if (history.length < 2) return;
+  ctx.strokeStyle = css(COLORS.used);
+  ctx.lineWidth = 1.5;
+  ctx.beginPath();
+  history.forEach((v, i) => {
+    const x = (i / (HISTORY - 1)) * (w - 2) + 1 + (w - 2) * (1 - (history.length - 1) / (HISTORY - 1));
+    const y = h - 1 - v * (h - 2);
+    if (i) ctx.lineTo(x, y);
+    else ctx.moveTo(x, y);
+  });
+  ctx.stroke();
+}
+
+const pct = (x) => `${(100 * x).toFixed(x > 0 && x < 0.1 ? 1 : 0)}%`;
+
+/** The status-bar text, e.g. "KV 43% · 12 running" (never the word the test tools wait for). */
+export function statusText(gauges) {
+  if (!gauges) return "KV –";
+  const queued = gauges.num_waiting ? ` · ${gauges.num_waiting} waiting` : "";
+  return `KV ${pct(gauges.kv_cache_usage)} · ${gauges.num_running} running${queued}`;
+}
+
+/** Gauge rows as [label, value] pairs (the same numbers EngineStats defines). */
+export function gaugeRows(g) {
+  if (!g) return [];
+  const n = g.num_blocks || 1;
+  const rows = [
+    ["KV used", `${pct(g.kv_cache_usage)} (${g.num_used.toLocaleString()} of ${n.toLocaleString()} blocks)`],
+    ["cached", `${pct(g.num_cached / n)} (${g.num_cached.toLocaleString()} blocks)`],
+    ["shared", `${g.num_shared.toLocaleString()} block${g.num_shared === 1 ? "" : "s"}`],
+    ["internal waste", `${g.internal_waste.toLocaleString()} of ${g.slots_allocated.toLocaleString()} slots` +
+      (g.slots_allocated ? ` (${pct(g.internal_waste / g.slots_allocated)})` : "")],
+    ["prefix hit rate", pct(g.prefix_hit_rate)],
+    ["requests", `${g.num_running} running · ${g.num_waiting} waiting · ${g.num_preempted} preempted`],
+    ["tokens/s", g.tokens_per_s.toFixed(1)],
+  ];
+  if (g.num_swapped_blocks) rows.push(["swapped out", `${g.num_swapped_blocks.toLocaleString()} blocks`]);
+  return rows;
+}
+
+const STYLE = `
+.pkv-root { font: 12px/1.4 var(--jp-ui-font-family, sans-serif); color: var(--jp-ui-font-color1, #111); }
+.pkv-title { font-weight: 600; margin-bottom: 4px; }
+.pkv-bar { display: flex; height: 8px; border-radius: 3px; overflow: hidden; margin: 4px 0 6px; background: rgb(229,231,235); }
+.pkv-gauges { display: grid; grid-template-columns: max-content 1fr; gap: 0 10px; margin-bottom: 6px; }
+.pkv-gauges .pkv-k { opacity: .7; }
+.pkv-blocks { display: block; cursor: crosshair; image-rendering: pixelated; }
+.pkv-legend { display: flex; flex-wrap: wrap; gap: 2px 10px; margin-top: 4px; opacity: .85; }
+.pkv-legend i { display: inline-block; width: 9px; height: 9px; margin-right: 3px; vertical-align: -1px; }
+.pkv-hover { min-height: 1.4em; opacity: .85; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.pkv-note { opacity: .7; font-style: italic; }
+`;
+
+function ensureStyle(doc) {
+  if (doc.getElementById("pkv-style")) return;
+  const s = doc.createElement("style");
+  s.id = "pkv-style";
+  s.textContent = STYLE;
+  doc.head.appendChild(s);
+}
+
+function describe(store, lay, cellIndex) {
+  const start = cellIndex * lay.group;
+  if (start >= store.numBlocks) return { text: "", owner: null };
+  if (lay.group === 1) {
+    const state = store.legend[store.codes[start]];
+    const ref = store.refs[start];
+    const owners = store.owners.get(start) || [];
+    const refText = ref > 1 ? ` ×${ref}` : "";
+    const who = owners.length ? ` — ${owners.join(", ")}` : "";
+    return { text: `block ${start}: ${state}${refText}${who}`, owner: owners[0] || null };
+  }
+  const end = Math.min(store.numBlocks, start + lay.group);
+  const counts = new Map();
+  for (let b = start; b < end; b++) {
+    const s = store.legend[store.codes[b]];
+    counts.set(s, (counts.get(s) || 0) + 1);
+  }
+  const parts = [...counts.entries()].sort((a, b) => b[1] - a[1]).map(([s, k]) => `${k} ${s}`);
+  return { text: `blocks ${start}–${end - 1}: ${parts.join(", ")}`, owner: null };
+}
+
+/** Build the monitor's DOM inside `el`; returns { apply(frame), store, dispose() }. The picture is
+ * redrawn at most once per animation frame however fast frames arrive. */
+export function mount(el, opts = {}) {
+  const doc = el.ownerDocument || document;
+  ensureStyle(doc);
+  const maxHeight = opts.height || 220;
+  const store = createStore();
+  const root = doc.createElement("div");
+  root.className = "pkv-root";
+  root.innerHTML = `<div class="pkv-title"></div><div class="pkv-bar"></div><div class="pkv-gauges"></div>
+    <canvas class="pkv-blocks"></canvas><div class="pkv-hover"></div>
+    <canvas class="pkv-spark" width="240" height="28"></canvas><div class="pkv-legend"></div>`;
+  el.appendChild(root);
+  const q = (sel) => root.querySelector(sel);
+  const title = q(".pkv-title"), bar = q(".pkv-bar"), gauges = q(".pkv-gauges");
+  const blocks = q(".pkv-blocks"), hover = q(".pkv-hover"), spark = q(".pkv-spark"), legend = q(".pkv-legend");
+  title.textContent = opts.title || "KV cache";
+  let lay = layout(1, 1, 1);
+  let highlight = null;
+  let pending = 0;
+  let disposed = false;
+  const width = () => Math.max(120, Math.floor((el.clientWidth || root.clientWidth || 640) - 4));
+
+  function render() {
+    pending = 0;
+    if (disposed) return;
+    if (store.closed) {
+      gauges.innerHTML = `<span class="pkv-note">the engine was unloaded</span>`;
+      return;
+    }
+    if (!store.gauges) return;
+    const g = store.gauges;
+    lay = layout(store.numBlocks, width(), maxHeight);
+    drawBlocks(blocks, store, lay, highlight);
+    const n = g.num_blocks || 1;
+    const shares = [["shared", g.num_shared], ["used", g.num_used - g.num_shared], ["cached", g.num_cached]];
+    bar.innerHTML = shares.filter(([, k]) => k > 0)
+      .map(([s, k]) => `<span style="width:${(100 * k) / n}%;background:${css(colorOf(s))}"></span>`).join("");
+    gauges.innerHTML = gaugeRows(g).map(([k, v]) => `<span class="pkv-k">${k}</span><span>${v}</span>`).join("");
+    const scale = lay.group === 1 ? "one cell per block" : `one cell per ${lay.group} blocks (stacked by state)`;
+    legend.innerHTML = store.legend.filter((s) => s in COLORS || (g.states && g.states[s]))
+      .map((s) => `<span><i style="background:${css(colorOf(s))}"></i>${s}</span>`).join("") +
+      `<span>${scale} · ${store.numBlocks.toLocaleString()} blocks × ${store.blockSize} tokens</span>`;
+    drawSparkline(spark, store.history);
+    root.dataset.seq = String(store.seq);
+  }
+
+  function schedule() {
+    if (pending || disposed) return;
+    const raf = doc.defaultView && doc.defaultView.requestAnimationFrame;
+    pending = raf ? raf(render) : setTimeout(render, 16);
+  }
+
+  blocks.addEventListener("mousemove", (ev) => {
+    const r = blocks.getBoundingClientRect();
+    const col = Math.floor((ev.clientX - r.left) / lay.cell);
+    const row = Math.floor((ev.clientY - r.top) / lay.cell);
+    const d = describe(store, lay, row * lay.cols + col);
+    hover.textContent = d.text;
+    const next = new Set();
+    if (d.owner) for (const [b, owners] of store.owners) if (owners.includes(d.owner)) next.add(b);
+    if (next.size || (highlight && highlight.size)) {
+      highlight = next;
+      schedule();
+    }
+  });
+  blocks.addEventListener("mouseleave", () => {
+    hover.textContent = "";
+    highlight = null;
+    schedule();
+  });
+  const resize = typeof ResizeObserver !== "undefined" ? new ResizeObserver(() => schedule()) : null;
+  if (resize) resize.observe(el);
+
+  return {
+    store,
+    setTitle(text) {
+      title.textContent = text;
+    },
+    apply(frame) {
+      const result = applyFrame(store, frame);
+      if (result === "ok") schedule();
+      return result;
+    },
+    dispose() {
+      disposed = true;
+      if (resize) resize.disconnect();
+      root.remove();
+    },
+  };
+}
+
+// anywidget entry point: traits "base" (a full frame) and "frame" (the latest diff).
+export default {
+  render({ model, el }) {
+    const view = mount(el, { title: model.get("title"), height: model.get("height") });
+    const onBase = () => view.apply(model.get("base"));
+    const onFrame = () => {
+      if (view.apply(model.get("frame")) === "gap") model.send({ request: "resync" });
+    };
+    onBase();
+    onFrame();
+    model.on("change:base", onBase);
+    model.on("change:frame", onFrame);
+    return () => {
+      model.off("change:base", onBase);
+      model.off("change:frame", onFrame);
+      view.dispose();
+    };
+  },
+};

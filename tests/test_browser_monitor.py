@@ -1,0 +1,260 @@
+"""The monitor in a real browser: Playwright drives the system Chromium against a real `jupyter lab`.
+
+One notebook, run cell by cell: load the extension and the embedded model, show the monitor widget,
+run a `%%generate` with several prompts while reading the widget's canvas pixels (used blocks must
+appear during the run and turn free/cached after it), run parallel samples (the shared prompt must
+show shared blocks), then open the "KV cache" side panel and read the status bar. Screenshots go
+to test-artifacts/browser/.
+
+Needs /usr/bin/chromium (`apt-get install -y chromium`; `.ci/run` does it) and the labextension
+built by `pip install -e .`; otherwise the tests skip and say so. Never `playwright install`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+CHROMIUM = os.environ.get("PAGEDKV_CHROMIUM", "/usr/bin/chromium")
+LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--no-first-run"]
+WIDGET_CANVAS = ".jp-OutputArea .pkv-root canvas.pkv-blocks"
+PANEL_CANVAS = "#jupyter-pagedkv-panel canvas.pkv-blocks"
+
+PROMPTS = ["Name three rivers in Europe.", "Write a short poem about the sea.",
+           "What is a prime number?", "List four colours of the rainbow."]
+LONG_PROMPT = ("You are reading a long report about lighthouses: their history, the keepers who lived "
+               "in them, the lenses that made their light visible far out at sea, and the ships they "
+               "saved. Summarise the report in two sentences.")
+CELLS = [
+    "%load_ext jupyter_pagedkv",
+    "%pagedkv load --kv-cache-memory 96MiB",
+    "%pagedkv monitor",
+    "%%generate --max-tokens 40\n" + "\n---\n".join(PROMPTS),
+    "%%generate --max-tokens 24 --n 3 --temperature 0.8 --seed 1\n" + LONG_PROMPT,
+]
+
+
+def _why_skip() -> str | None:
+    if not Path(CHROMIUM).exists():
+        return (f"no Chromium at {CHROMIUM}: install it with `apt-get install -y chromium` "
+                f"(or set PAGEDKV_CHROMIUM) to run the browser tests")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Python playwright is missing: pip install -e '.[test]'"
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        return "jupyterlab is missing: pip install -e '.[test]'"
+    if not (ROOT / "jupyter_pagedkv" / "labextension" / "package.json").exists():
+        return "the labextension is not built: run `pip install -e .` (it runs the npm build)"
+    return None
+
+
+def palette() -> dict[str, tuple[int, int, int]]:
+    """The state colours, read from the drawing module itself so the test cannot drift from it."""
+    js = (ROOT / "jupyter_pagedkv" / "static" / "blockmap.js").read_text()
+    block = js[js.index("export const COLORS = {"):]
+    block = block[:block.index("};")]
+    return {k: tuple(map(int, v.split(","))) for k, v in re.findall(r"(\w+): \[([\d, ]+)\]", block)}
+
+
+COUNT_PIXELS = """([selector, colors]) => {
+  const canvas = document.querySelector(selector);
+  if (!canvas || !canvas.width || !canvas.height) return null;
+  const d = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+  const counts = Object.fromEntries(Object.keys(colors).map(k => [k, 0]));
+  for (let i = 0; i < d.length; i += 4) {
+    for (const k in colors) {
+      const c = colors[k];
+      if (d[i] === c[0] && d[i + 1] === c[1] && d[i + 2] === c[2]) { counts[k]++; break; }
+    }
+  }
+  return counts;
+}"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    reason = _why_skip()
+    if reason:
+        pytest.skip(reason)
+    import nbformat
+
+    root = tmp_path_factory.mktemp("lab")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, root / "monitor.ipynb")
+    home = tmp_path_factory.mktemp("jupyter-home")
+    port = free_port()
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
+           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+           "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
+    log = open(root / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ServerApp.token=",
+         "--ServerApp.password=", "--ServerApp.ip=127.0.0.1", f"--port={port}",
+         "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"jupyter lab did not start: {(root / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+    yield url
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()
+    if ARTIFACTS.exists():
+        shutil.copy(root / "server.log", ARTIFACTS / "server.log")
+
+
+@pytest.fixture(scope="module")
+def page(lab):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg.set_default_timeout(60_000)
+        pg.goto(f"{lab}/lab/workspaces/{uuid.uuid4().hex}/tree/monitor.ipynb?reset")
+        pg.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        # Run nothing before the kernel is up: JupyterLab drops an execution sent too early.
+        pg.locator("#jp-main-statusbar").get_by_text("Idle").wait_for(timeout=90_000)
+        yield pg
+        browser.close()
+
+
+def dismiss_news(page) -> None:
+    button = page.get_by_role("button", name="No", exact=True)
+    for i in range(button.count()):
+        if button.nth(i).is_visible():
+            button.nth(i).click(timeout=2000)
+
+
+def run_cell(page, index: int, wait: bool = True, timeout: float = 180) -> None:
+    """Select cell `index` and run it with Shift+Enter; optionally wait until it has finished."""
+    dismiss_news(page)
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+    if wait:
+        wait_done(page, index, timeout)
+
+
+def wait_done(page, index: int, timeout: float = 180) -> None:
+    prompt = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-InputPrompt")
+    deadline = time.monotonic() + timeout
+    while not re.fullmatch(r"\[\d+\]:", prompt.inner_text().strip()):
+        if time.monotonic() > deadline:
+            page.screenshot(path=str(ARTIFACTS / f"timeout-cell-{index}.png"))
+            pytest.fail(f"cell {index} still running after {timeout} s (prompt "
+                        f"{prompt.inner_text().strip()!r}); screenshot in {ARTIFACTS}")
+        time.sleep(0.2)
+
+
+def cell_text(page, index: int) -> str:
+    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
+
+
+def pixels(page, selector: str) -> dict[str, int] | None:
+    return page.evaluate(COUNT_PIXELS, [selector, {k: list(v) for k, v in palette().items()}])
+
+
+def watch(page, selector: str, until, timeout: float, every: float = 0.15) -> list[dict[str, int]]:
+    """Read the canvas repeatedly until `until(counts)` holds; returns every reading."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counts = pixels(page, selector)
+        if counts is not None:
+            seen.append(counts)
+            if until(counts):
+                return seen
+        time.sleep(every)
+    pytest.fail(f"the canvas {selector} never showed the expected state; last readings: {seen[-3:]}")
+
+
+def test_the_widget_shows_blocks_in_use_during_a_run_and_freed_after(page):
+    run_cell(page, 0, timeout=float(os.environ.get("PAGEDKV_FIRST_CELL_TIMEOUT", 180)))
+    run_cell(page, 1, timeout=240)
+    assert "loaded SmolLM2-135M-Instruct" in cell_text(page, 1), cell_text(page, 1)
+    run_cell(page, 2)
+    page.wait_for_selector(WIDGET_CANVAS)
+    before = watch(page, WIDGET_CANVAS, lambda c: c["free"] > 0, timeout=30)[-1]
+    assert before["used"] == 0 and before["shared"] == 0, before
+    run_cell(page, 3, wait=False)
+    during = watch(page, WIDGET_CANVAS, lambda c: c["used"] > 0, timeout=120)[-1]
+    page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "widget-during-run.png"))
+    page.screenshot(path=str(ARTIFACTS / "notebook-during-run.png"))
+    assert during["used"] > 0
+    wait_done(page, 3)
+    after = watch(page, WIDGET_CANVAS, lambda c: c["used"] == 0 and c["shared"] == 0, timeout=30)[-1]
+    assert after["cached"] > 0 and after["free"] > 0, after     # finished blocks keep their prefix
+    text = cell_text(page, 3)
+    assert text.count("tokens generated") == len(PROMPTS), text
+    gauges = page.locator(".jp-OutputArea .pkv-gauges").first.inner_text()
+    assert "0 running" in gauges and "KV used" in gauges, gauges
+    page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "widget-after-run.png"))
+
+
+def test_parallel_samples_show_their_shared_prompt_blocks(page):
+    run_cell(page, 4, wait=False)
+    seen = watch(page, WIDGET_CANVAS, lambda c: c["shared"] > 0, timeout=120)
+    assert seen[-1]["shared"] > 0
+    page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "widget-shared.png"))
+    wait_done(page, 4)
+    watch(page, WIDGET_CANVAS, lambda c: c["shared"] == 0 and c["used"] == 0, timeout=30)
+
+
+def test_side_panel_draws_the_pool_and_the_status_bar_reads_usage(page):
+    page.locator('li[data-id="jupyter-pagedkv-panel"]').click()
+    page.wait_for_selector(PANEL_CANVAS)
+    counts = watch(page, PANEL_CANVAS, lambda c: c["cached"] > 0, timeout=30)[-1]
+    assert counts["used"] == 0
+    status = page.locator(".pkv-status").inner_text().strip()
+    assert re.fullmatch(r"KV \d+(\.\d)?% · \d+ running( · \d+ waiting)?", status), status
+    assert "idle" not in status.lower()
+    title = page.locator("#jupyter-pagedkv-panel .pkv-title").inner_text()
+    assert "SmolLM2-135M-Instruct" in title, title
+    run_cell(page, 3, wait=False)        # the same prompts again: the panel follows the run too
+    watch(page, PANEL_CANVAS, lambda c: c["used"] > 0, timeout=120)
+    busy = page.locator(".pkv-status").inner_text().strip()
+    page.screenshot(path=str(ARTIFACTS / "side-panel-during-run.png"))
+    assert re.fullmatch(r"KV \d+(\.\d)?% · [1-9]\d* running( · \d+ waiting)?", busy), busy
+    wait_done(page, 3)
+    watch(page, PANEL_CANVAS, lambda c: c["used"] == 0, timeout=30)
+    (ARTIFACTS / "status.json").write_text(json.dumps({"idle_text": status, "busy_text": busy}))
