@@ -294,6 +294,11 @@ class MonitorFeed:
             "num_preemptions": sched.num_preemptions,
             "num_swapped_blocks": e.swap.num_used if e.swap is not None else 0,
             "num_generated_tokens": e.num_generated_tokens,
+            # Speculative decoding: drafts proposed / kept since the engine started.
+            "spec_proposed_tokens": e.speculator.stats.num_proposed,
+            "spec_accepted_tokens": e.speculator.stats.num_accepted,
+            "spec_acceptance_rate": e.speculator.stats.acceptance_rate,
+            "spec_mean_accepted_length": e.speculator.stats.mean_accepted_length,
         }
 
     def _gauges_locked(self) -> dict[str, Any]:
@@ -322,6 +327,8 @@ class MonitorFeed:
             "prefix_hit_rate": live["prefix_cache_hits"] / queries if queries else 0.0,
             **{k: live[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "num_running",
                                     "num_waiting", "num_preempted", "num_preemptions",
-                                    "num_swapped_blocks", "num_generated_tokens")},
+                                    "num_swapped_blocks", "num_generated_tokens",
+                                    "spec_proposed_tokens", "spec_accepted_tokens",
+                                    "spec_acceptance_rate", "spec_mean_accepted_length")},
             "tokens_per_s": (g_b - g_a) / (t_b - t_a) if t_b > t_a else 0.0,
         }

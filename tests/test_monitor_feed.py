@@ -164,6 +164,20 @@ def test_gauges_agree_with_engine_stats(make_engine):
         engine.abort(req.request_id)
 
 
+def test_the_gauges_carry_the_speculation_counters(make_engine):
+    engine = make_engine(MODEL, block_size=4, num_blocks=64, speculative="ngram")
+    feed = manual_feed(engine)
+    feed.subscribe(Replica())
+    engine.generate([list(range(3, 13)) * 4], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    frame = feed.publish()
+    stats = engine.stats()
+    assert stats.spec_proposed_tokens > 0
+    assert (frame.gauges["spec_proposed_tokens"], frame.gauges["spec_accepted_tokens"]) == (
+        stats.spec_proposed_tokens, stats.spec_accepted_tokens)
+    assert frame.gauges["spec_acceptance_rate"] == pytest.approx(stats.spec_acceptance_rate)
+    assert frame.gauges["spec_mean_accepted_length"] == pytest.approx(stats.spec_mean_accepted_length)
+
+
 def test_a_state_the_feed_has_never_seen_gets_a_new_legend_entry(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=8)
     feed = manual_feed(engine)

@@ -233,6 +233,11 @@ export function gaugeRows(g) {
     ["tokens/s", g.tokens_per_s.toFixed(1)],
   ];
   if (g.num_swapped_blocks) rows.push(["swapped out", `${g.num_swapped_blocks.toLocaleString()} blocks`]);
+  if (g.spec_proposed_tokens) {
+    rows.push(["speculation", `${g.spec_accepted_tokens.toLocaleString()} of ` +
+      `${g.spec_proposed_tokens.toLocaleString()} drafts kept (${pct(g.spec_acceptance_rate)}), ` +
+      `${g.spec_mean_accepted_length.toFixed(2)} per verification`]);
+  }
   return rows;
 }
 
