@@ -38,7 +38,8 @@ class CommLike:
         self.bytes += len(json.dumps(data)) + sum(len(b) for b in buffers)
 
 
-def overhead(rounds: int, kv_cache_memory: str, max_tokens: int) -> dict:
+def _started_engine(kv_cache_memory: str, max_tokens: int):
+    """The embedded model stepping in its background thread, warmed up, and the 32-request workload."""
     from jupyter_pagedkv import Engine, SamplingParams
 
     engine = Engine.from_pretrained(kv_cache_memory=kv_cache_memory, max_num_seqs=64)
@@ -47,6 +48,11 @@ def overhead(rounds: int, kv_cache_memory: str, max_tokens: int) -> dict:
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in work]
     engine.start()
     engine.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2)     # warm-up
+    return engine, work, prompts, params
+
+
+def overhead(rounds: int, kv_cache_memory: str, max_tokens: int) -> dict:
+    engine, work, prompts, params = _started_engine(kv_cache_memory, max_tokens)
     try:
         import anywidget  # noqa: F401
         has_widget = True
@@ -100,14 +106,7 @@ def interleaved(kv_cache_memory: str, max_tokens: int, period: float) -> dict:
     for the engine lock or the GIL that the monitor causes."""
     import threading
 
-    from jupyter_pagedkv import Engine, SamplingParams
-
-    engine = Engine.from_pretrained(kv_cache_memory=kv_cache_memory, max_num_seqs=64)
-    work = chat_requests(32, min_tokens=min(16, max_tokens), max_tokens=max_tokens)
-    prompts = [engine.apply_chat_template(r.messages) for r in work]
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in work]
-    engine.start()
-    engine.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2)     # warm-up
+    engine, work, prompts, params = _started_engine(kv_cache_memory, max_tokens)
     widget = engine.monitor()
     feed = engine.monitor_feed
     feed.unsubscribe(widget._token)               # switched on and off below
