@@ -60,13 +60,6 @@ class RunSummary:
     def latency(self, q: float) -> float:
         return percentile([r.latency for r in self.requests], q)
 
-    def row(self) -> dict:
-        return {"label": self.label, "requests": len(self.requests), "duration_s": self.duration_s,
-                "kv_utilisation": self.kv_utilisation, "max_concurrent": self.max_concurrent,
-                "throughput_tok_s": self.throughput, "ttft_p50": self.ttft(50), "ttft_p99": self.ttft(99),
-                "latency_p50": self.latency(50), "latency_p99": self.latency(99),
-                "preemptions": self.num_preemptions, **self.extra}
-
     def line(self) -> str:
         return (f"{self.label:<28} util {self.kv_utilisation:6.1%}  max conc {self.max_concurrent:4d}  "
                 f"{self.throughput:8.1f} tok/s  TTFT p50 {self.ttft(50):7.2f}s p99 {self.ttft(99):7.2f}s  "
