@@ -99,7 +99,7 @@ def free_port() -> int:
 def lab(tmp_path_factory):
     reason = _why_skip()
     if reason:
-        pytest.skip(reason)   # no Chromium / Playwright here: the reason says how to enable them
+        pytest.skip(reason)   # no chromium / playwright here: the reason says how to enable them
     import nbformat
 
     root = tmp_path_factory.mktemp("lab")
