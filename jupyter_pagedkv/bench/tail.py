@@ -10,7 +10,9 @@ and P50/P99 TTFT and end-to-end latency; then swap vs recompute preemption under
 - sim:  Llama-3-70B on H100-80GB GPUs through the simulator (the engine's own scheduler and
         block pool; thousands of requests), plus one 10,000-request run timed end to end.
 
-The headline is the highest swept rate each allocator sustains under a P99 latency bound.
+The headline is the highest swept rate each allocator sustains under a P99 bound, on end-to-end
+latency and on time to first token (the interactive SLO: how long a user waits before anything
+streams; contiguous reservation hurts it first, because requests queue for a reservation).
 """
 from __future__ import annotations
 
@@ -24,10 +26,15 @@ from pathlib import Path
 from ..sim.summary import RunSummary
 
 
-def max_rate_under(rows: list[RunSummary], rates: list[float], bound: float) -> float:
-    """Highest swept rate whose P99 end-to-end latency stays within `bound` (0 if none)."""
-    ok = [r for r, s in zip(rates, rows) if s.latency(99) <= bound]
+def max_rate_under(rows: list[RunSummary], rates: list[float], bound: float, metric: str = "latency") -> float:
+    """Highest swept rate whose P99 `metric` ("latency": end to end, or "ttft") stays within `bound`
+    seconds (0 if none)."""
+    ok = [r for r, s in zip(rates, rows) if getattr(s, metric)(99) <= bound]
     return max(ok, default=0.0)
+
+
+def rate_ratio(paged: float, contiguous: float) -> float:
+    return paged / contiguous if contiguous else (math.inf if paged else math.nan)
 
 
 # -- the simulated scale ------------------------------------------------------------------------
@@ -70,7 +77,7 @@ def sim_scale(args) -> dict:
               f"{res.summary.duration_s:,.0f} s simulated) in {wall:.1f} s of wall time", flush=True)
     return {"label": f"simulated {args.model} on {args.num_gpus} x {args.gpu}", "rates": args.sim_rates,
             "runs": runs, "preempt": preempt, "pressure_rate": pressure_rate, "bound": args.sim_p99_bound,
-            "scale": scale}
+            "ttft_bound": args.sim_ttft_bound, "scale": scale}
 
 
 # -- the real scale -------------------------------------------------------------------------------
@@ -124,15 +131,12 @@ def real_scale(args) -> dict:
         print("    " + s.line(), flush=True)
     return {"label": "real: embedded SmolLM2-135M on this CPU", "rates": args.real_rates, "runs": runs,
             "preempt": preempt, "pressure_rate": pressure_rate, "bound": args.real_p99_bound,
-            "identical_outputs": same}
+            "ttft_bound": args.real_ttft_bound, "identical_outputs": same}
 
 
 # -- report ---------------------------------------------------------------------------------------
 def report(scale: dict) -> dict:
-    runs, rates, bound = scale["runs"], scale["rates"], scale["bound"]
-    paged_rate = max_rate_under(runs["paged"], rates, bound)
-    contig_rate = max_rate_under(runs["contiguous"], rates, bound)
-    ratio = paged_rate / contig_rate if contig_rate else (math.inf if paged_rate else math.nan)
+    runs, rates = scale["runs"], scale["rates"]
     util = {a: sum(s.kv_utilisation for s in rs) / len(rs) for a, rs in runs.items()}
     conc = {a: max(s.max_concurrent for s in rs) for a, rs in runs.items()}
     rec, swp = scale["preempt"]["recompute"], scale["preempt"]["swap"]
@@ -140,16 +144,23 @@ def report(scale: dict) -> dict:
     print(f"  KV utilisation (mean over rates): paged {util['paged']:.1%}, contiguous {util['contiguous']:.1%}")
     print(f"  max concurrent requests: paged {conc['paged']}, contiguous {conc['contiguous']} "
           f"({conc['paged'] / max(1, conc['contiguous']):.1f}x)")
-    verdict = (f"{ratio:.1f}x" if math.isfinite(ratio) else
-               "paged only" if paged_rate else "neither: lower the rates or raise the bound")
-    print(f"  highest swept rate with P99 latency <= {bound:g} s: paged {paged_rate:g} req/s, contiguous "
-          f"{contig_rate:g} req/s -> {verdict}")
+    out = {"utilisation": util, "max_concurrent": conc}
+    for metric, key, what in (("latency", "bound", "end-to-end latency"), ("ttft", "ttft_bound", "TTFT")):
+        bound = scale[key]
+        paged = max_rate_under(runs["paged"], rates, bound, metric)
+        contig = max_rate_under(runs["contiguous"], rates, bound, metric)
+        ratio = rate_ratio(paged, contig)
+        verdict = (f"{ratio:.1f}x" if math.isfinite(ratio) else
+                   "paged only: lower the rates to find contiguous's" if paged else
+                   "neither: lower the rates or raise the bound")
+        print(f"  highest swept rate with P99 {what} <= {bound:g} s: paged {paged:g} req/s, contiguous "
+              f"{contig:g} req/s -> {verdict}")
+        out[metric] = {"bound_s": bound, "paged_max_rate": paged, "contiguous_max_rate": contig, "rate_ratio": ratio}
     print(f"  swap vs recompute at {scale['pressure_rate']:g} req/s: P99 latency {swp.latency(99):.2f} s vs "
           f"{rec.latency(99):.2f} s ({swp.latency(99) / rec.latency(99):.2f}x); preemptions "
           f"{swp.num_preemptions} vs {rec.num_preemptions}")
-    return {"paged_max_rate": paged_rate, "contiguous_max_rate": contig_rate, "rate_ratio": ratio,
-            "utilisation": util, "max_concurrent": conc,
-            "swap_p99": swp.latency(99), "recompute_p99": rec.latency(99)}
+    out.update(swap_p99=swp.latency(99), recompute_p99=rec.latency(99))
+    return out
 
 
 def plot(scale: dict, path: Path) -> None:
@@ -158,19 +169,23 @@ def plot(scale: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs, rates = scale["runs"], scale["rates"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
     colours = {"paged": "#2a7ab9", "contiguous": "#d9552b"}
     for alloc, rs in runs.items():
         axes[0].plot(rates, [s.latency(99) for s in rs], "o-", color=colours[alloc], label=f"{alloc} P99")
         axes[0].plot(rates, [s.latency(50) for s in rs], "o--", color=colours[alloc], alpha=0.5,
                      label=f"{alloc} P50")
-        axes[1].plot(rates, [s.throughput for s in rs], "o-", color=colours[alloc], label=alloc)
-        axes[2].plot(rates, [100 * s.kv_utilisation for s in rs], "o-", color=colours[alloc], label=alloc)
+        axes[1].plot(rates, [s.ttft(99) for s in rs], "o-", color=colours[alloc], label=f"{alloc} P99")
+        axes[2].plot(rates, [s.throughput for s in rs], "o-", color=colours[alloc], label=alloc)
+        axes[3].plot(rates, [100 * s.kv_utilisation for s in rs], "o-", color=colours[alloc], label=alloc)
     axes[0].axhline(scale["bound"], color="grey", lw=0.8, ls=":", label="P99 bound")
     axes[0].set(xlabel="request rate (req/s)", ylabel="end-to-end latency (s)", yscale="log",
                 title="latency vs load")
-    axes[1].set(xlabel="request rate (req/s)", ylabel="generated tokens/s", title="throughput")
-    axes[2].set(xlabel="request rate (req/s)", ylabel="KV utilisation (%)", ylim=(0, 105),
+    axes[1].axhline(scale["ttft_bound"], color="grey", lw=0.8, ls=":", label="P99 bound")
+    axes[1].set(xlabel="request rate (req/s)", ylabel="time to first token (s)", yscale="log",
+                title="waiting for the first token")
+    axes[2].set(xlabel="request rate (req/s)", ylabel="generated tokens/s", title="throughput")
+    axes[3].set(xlabel="request rate (req/s)", ylabel="KV utilisation (%)", ylim=(0, 105),
                 title="tokens stored / slots reserved")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -198,18 +213,20 @@ def main(argv: list[str]) -> int:
     g.add_argument("--profile", default="sharegpt", choices=("sharegpt", "alpaca"))
     g.add_argument("--sim-requests", type=int, default=600)
     g.add_argument("--sim-rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
-    g.add_argument("--sim-p99-bound", type=float, default=60.0, help="seconds")
+    g.add_argument("--sim-p99-bound", type=float, default=60.0, help="end-to-end, seconds")
+    g.add_argument("--sim-ttft-bound", type=float, default=5.0, help="time to first token, seconds")
     g.add_argument("--sim-pressure-rate", type=float, default=None)
     g.add_argument("--sim-scale-check", type=int, default=10_000, help="0 skips the timed big run")
     g.add_argument("--sim-scale-rate", type=float, default=2.0)
     g = ap.add_argument_group("real scale (embedded model, CPU)")
-    g.add_argument("--real-requests", type=int, default=16)
-    g.add_argument("--real-rates", type=float, nargs="+", default=[0.1, 0.2, 0.4])
-    g.add_argument("--real-num-blocks", type=int, default=96)
-    g.add_argument("--real-max-tokens", type=int, default=256, help="the client's cap (what contiguous reserves)")
-    g.add_argument("--real-p99-bound", type=float, default=60.0)
-    g.add_argument("--real-pressure-blocks", type=int, default=40)
-    g.add_argument("--real-pressure-rate", type=float, default=None)
+    g.add_argument("--real-requests", type=int, default=12)
+    g.add_argument("--real-rates", type=float, nargs="+", default=[0.1, 0.2, 0.4, 0.8, 1.6])
+    g.add_argument("--real-num-blocks", type=int, default=64)
+    g.add_argument("--real-max-tokens", type=int, default=128, help="the client's cap (what contiguous reserves)")
+    g.add_argument("--real-p99-bound", type=float, default=60.0, help="end-to-end, seconds")
+    g.add_argument("--real-ttft-bound", type=float, default=5.0, help="time to first token, seconds")
+    g.add_argument("--real-pressure-blocks", type=int, default=28)
+    g.add_argument("--real-pressure-rate", type=float, default=1.2)
     args = ap.parse_args(argv)
 
     results = {}
