@@ -262,8 +262,12 @@ class PagedKVMagics(Magics):
             raise UsageError(str(e)) from None
         print(p.summary())
         if p.fits:
-            from IPython.display import display
-            display(planner.figure(p))
+            # As PNG bytes, not the Figure: a bare Figure only renders where pyplot's inline
+            # backend is already active, and shows as "<Figure ...>" text everywhere else.
+            from IPython.display import Image, display
+            png = io.BytesIO()
+            planner.figure(p).savefig(png, format="png", dpi=100, bbox_inches="tight")
+            display(Image(data=png.getvalue(), format="png"))
 
     # -- %%generate ---------------------------------------------------------------------------------
     @magic_arguments()

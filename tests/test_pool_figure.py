@@ -1,0 +1,59 @@
+"""pool_figure and PoolRecorder: still pictures of the pool that agree with the engine and the widget."""
+from __future__ import annotations
+
+import re
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from conftest import tiny_model
+from jupyter_pagedkv import SamplingParams
+from jupyter_pagedkv.widgets import PoolRecorder, pool_figure
+from jupyter_pagedkv.widgets.pool_figure import STATIC, state_colours
+
+MODEL = tiny_model("llama", seed=6)
+PROMPT = list(range(3, 30))          # 27 tokens: 6 full blocks of 4 and a partial one
+
+
+def test_colours_are_the_widget_table():
+    js = (STATIC / "blockmap.js").read_text()
+    names = re.findall(r"^\s+(\w+): \[\d+, \d+, \d+\],$", js.split("export const COLORS")[1].split("};")[0], re.M)
+    assert set(state_colours()) == set(names) >= {"free", "cached", "used", "shared", "swapped", "speculative"}
+    assert state_colours()["used"] == (22 / 255, 163 / 255, 74 / 255)
+
+
+def test_recorder_keeps_the_busiest_step_and_detaches(make_engine):
+    engine = make_engine(MODEL, block_size=4, num_blocks=64)
+    with PoolRecorder(engine) as rec:
+        engine.generate([PROMPT], SamplingParams(n=4, max_tokens=6, temperature=0.8, seed=3, ignore_eos=True))
+    assert engine._step_listeners == []                     # no hook left behind
+    assert len(rec.timeline) >= 6
+    peak = rec.peak_stats
+    # 4 samples over 6 full prompt blocks + one copied partial block each (+ growth): sharing shows.
+    assert peak.num_block_refs == max(p.block_refs for p in rec.timeline)
+    assert peak.num_shared >= 6 and peak.num_block_refs > peak.num_used
+    assert rec.peak["states"].count("shared") == peak.num_shared
+    assert rec.timeline[-1].used == 0                        # everything returned by the end
+    fig = rec.figure("n=4")
+    assert len(fig.axes) == 2
+    legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert f"shared {peak.num_shared}" in legend
+    # shared blocks are labelled with their ref count in the map
+    marks = [t.get_text() for t in fig.axes[1].texts]
+    assert len(marks) == peak.num_shared and set(marks) <= {"2", "3", "4"}
+
+
+def test_figure_of_an_unknown_state_and_bad_arguments():
+    snap = {"states": ["free", "used", "teleported"], "ref_counts": [0, 1, 1], "block_size": 16}
+    fig = pool_figure(snap, columns=2)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["free 1", "used 1", "teleported 1"]
+    with pytest.raises(ValueError, match="at least 1"):
+        pool_figure(snap, columns=0)
+
+
+def test_figure_before_recording_says_what_to_do(make_engine):
+    rec = PoolRecorder(make_engine(MODEL, block_size=4, num_blocks=16))
+    with pytest.raises(RuntimeError, match="inside `with PoolRecorder"):
+        rec.figure()
