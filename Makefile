@@ -32,6 +32,7 @@ setup: $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/python -m jupyter_pagedkv.demo
 
+# pytest's testpaths are tests/ and notebooks/ (nbval, --nbval-lax: see pyproject.toml).
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q
 
