@@ -152,6 +152,12 @@ class Engine:
         loaded = load_model(model, torch_dtype, dev)
         return cls(loaded.model, loaded.tokenizer, name=loaded.name, **kwargs)
 
+    @staticmethod
+    def connect(url: str, api_key: str | None = None, model: str | None = None, **kwargs):
+        """A client of a vLLM (OpenAI-compatible) server with this engine's surface; see remote.py."""
+        from .remote import RemoteEngine
+        return RemoteEngine(url, api_key=api_key, model=model, **kwargs)
+
     def _default_kv_bytes(self) -> int:
         """CPU: a modest 1 GiB. CUDA: 90% of what is free after weights, minus an activation reserve."""
         if self.device.type != "cuda":
