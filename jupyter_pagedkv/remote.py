@@ -49,6 +49,13 @@ class ServerTemplate:
     chat_template = "(applied by the server)"
 
 
+@dataclass(frozen=True)
+class RemoteDevice:
+    """What the monitor channel shows as the device: the server, not this machine."""
+
+    type: str = "remote"
+
+
 class RemoteStatus(Enum):
     RUNNING = "running"
     FINISHED = "finished"
@@ -116,6 +123,8 @@ class RemoteEngine:
 
     is_remote = True
     is_running = True          # the server runs its own loop; nothing to start here
+    device = RemoteDevice()
+    dtype = "server"           # the server's own dtype; /metrics does not say which
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  timeout: float = 60.0, kv_events: str | None = None, kv_events_topic: str = "") -> None:

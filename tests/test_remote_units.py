@@ -189,6 +189,12 @@ def test_magics_connect_generate_disconnect(fake, capsys):
             ip.run_cell_magic("generate", "--max-tokens 2 --raw", "drop")
         ip.run_line_magic("pagedkv", "status")
         assert "KV usage 25.0%" in capsys.readouterr().out
+        from jupyter_pagedkv.monitor_channel import snapshot
+        snap = snapshot(session.current())   # the monitor comm's payload, unchanged shape
+        assert snap["device"] == "remote" and snap["stats"]["num_used"] == 25
+        assert snap["pool"]["states"].count("used") == 25 and len(snap["pool"]["states"]) == 100
+        ip.run_line_magic("pagedkv", "monitor")
+        assert "legend" in capsys.readouterr().out
         ip.run_line_magic("pagedkv", "disconnect")
         assert "no local model loaded" in capsys.readouterr().out
         assert session.current().engine is None
