@@ -35,10 +35,19 @@ def peer_python(root: Path = REPO_ROOT) -> Path | None:
     return py if py.exists() and (venv / ".ok").exists() else None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(low: int = 20000, high: int = 32000) -> int:
+    """A free localhost port below the ephemeral range: vLLM binds random ephemeral ports for its
+    own processes while starting, and once took the one we had picked (Address already in use)."""
+    import random
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 @dataclass

@@ -583,7 +583,10 @@ class RemoteEngine:
                     f"{req.request_id} is live without a reader thread"
 
     def reset_prefix_cache(self) -> int:
-        """Ask the server to drop its prefix cache (vLLM: only with VLLM_SERVER_DEV_MODE=1)."""
+        """Ask the server to drop its prefix cache (vLLM: only with VLLM_SERVER_DEV_MODE=1).
+
+        Returns the full blocks the KV events knew of (0 without events: the server does not say)."""
+        known = self.events.snapshot().num_blocks if self.events is not None else 0
         conn = self._connection()
         try:
             conn.request("POST", self.prefix + "/reset_prefix_cache", headers=self._headers())
@@ -598,7 +601,7 @@ class RemoteEngine:
                               f"VLLM_SERVER_DEV_MODE=1 to allow it")
         if resp.status != 200:
             raise self._http_error(resp.status, body)
-        return 0
+        return known
 
     def summary_line(self) -> str:
         s = self.stats()

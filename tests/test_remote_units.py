@@ -195,6 +195,9 @@ def test_magics_connect_generate_disconnect(fake, capsys):
         assert snap["pool"]["states"].count("used") == 25 and len(snap["pool"]["states"]) == 100
         ip.run_line_magic("pagedkv", "monitor")
         assert "legend" in capsys.readouterr().out
+        ip.run_line_magic("pagedkv", "requests")
+        table = capsys.readouterr().out
+        assert "remote-0  generate  done (length)  3" in table and "remote-1  generate  failed" in table
         ip.run_line_magic("pagedkv", "disconnect")
         assert "no local model loaded" in capsys.readouterr().out
         assert session.current().engine is None

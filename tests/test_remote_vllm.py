@@ -12,6 +12,7 @@ import tempfile
 import time
 
 import pytest
+import torch
 
 from jupyter_pagedkv import Engine, streaming
 from jupyter_pagedkv.peer_server import PeerServer, ServerConfig, free_port, peer_python
@@ -44,9 +45,14 @@ def local_greedy(embedded):
     require_peers()
     model, tokenizer = embedded
     local = Engine(model, tokenizer, kv_cache_memory="64MiB")
+    # One thread, as vLLM's CPU worker here: on an oversubscribed machine two OpenMP threads ran
+    # these 32 tokens 10x slower (105 s against 10 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         return local.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
     finally:
+        torch.set_num_threads(threads)
         local.stop()
         local.check_invariants()
 
