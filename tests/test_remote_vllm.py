@@ -65,7 +65,7 @@ def server(local_greedy):
     log = os.path.join(tempfile.gettempdir(), f"pagedkv-vllm-{cfg.port}.log")
     srv = PeerServer(cfg, py, log).start()
     try:
-        srv.wait_ready(timeout=900)
+        print(f"vLLM server ready in {srv.wait_ready(timeout=900):.0f} s (log: {log})")
         yield srv
     finally:
         srv.stop()
