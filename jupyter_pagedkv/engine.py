@@ -137,6 +137,12 @@ class Engine:
         self.forward_time_s = 0.0
 
     # -- construction -------------------------------------------------------------------------
+    @staticmethod
+    def connect(url: str, api_key: str | None = None, model: str | None = None, **kwargs):
+        """A client of a vLLM (OpenAI-compatible) server with this engine's surface; see remote.py."""
+        from .remote import RemoteEngine
+        return RemoteEngine(url, api_key=api_key, model=model, **kwargs)
+
     @classmethod
     def from_pretrained(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
                         **kwargs) -> Engine:
@@ -151,12 +157,6 @@ class Engine:
                 raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
         loaded = load_model(model, torch_dtype, dev)
         return cls(loaded.model, loaded.tokenizer, name=loaded.name, **kwargs)
-
-    @staticmethod
-    def connect(url: str, api_key: str | None = None, model: str | None = None, **kwargs):
-        """A client of a vLLM (OpenAI-compatible) server with this engine's surface; see remote.py."""
-        from .remote import RemoteEngine
-        return RemoteEngine(url, api_key=api_key, model=model, **kwargs)
 
     def _default_kv_bytes(self) -> int:
         """CPU: a modest 1 GiB. CUDA: 90% of what is free after weights, minus an activation reserve."""
