@@ -82,10 +82,10 @@ def client(server):
 
 @pytest.fixture
 def ip(server, capsys):
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing.globalipapp import get_ipython, start_ipython
 
     from jupyter_pagedkv import session
-    shell = start_ipython()
+    shell = start_ipython() or get_ipython()   # None once another module started it
     shell.run_line_magic("load_ext", "jupyter_pagedkv")
     saved, session._current = session._current, KernelSession()
     yield shell
