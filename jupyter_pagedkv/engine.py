@@ -146,6 +146,12 @@ class Engine:
         self._monitor_feed = None
 
     # -- construction -------------------------------------------------------------------------
+    @staticmethod
+    def connect(url: str, api_key: str | None = None, model: str | None = None, **kwargs):
+        """A client of a vLLM (OpenAI-compatible) server with this engine's surface; see remote.py."""
+        from .remote import RemoteEngine
+        return RemoteEngine(url, api_key=api_key, model=model, **kwargs)
+
     @classmethod
     def from_pretrained(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
                         **kwargs) -> Engine:

@@ -40,6 +40,10 @@ jupyter-pagedkv magics (one engine per kernel, shared by every cell):
                                     (its plots are shown here), e.g. `%pagedkv bench tail --scale sim`
   %pagedkv plan MODEL [--gpu G] [--num-gpus N] [--context N]
                                     KV capacity: bytes per token, tokens that fit, paged vs contiguous
+  %pagedkv connect URL [--api-key KEY] [--model NAME] [--kv-events tcp://HOST:PORT] [--timeout S]
+                                    stream %%generate / %%chat from a vLLM server; status and monitor
+                                    read its /metrics (and its KV events)
+  %pagedkv disconnect               back to the kernel's own engine
   %%generate [options]              generate from the cell; `---` lines separate concurrent prompts,
                                     {name} inserts a variable ({{ and }} are literal braces)
   %%chat [SESSION] [options]        one turn of a multi-turn chat; earlier turns stay in the KV cache
@@ -72,6 +76,28 @@ def split_prompts(cell: str) -> list[str]:
     if not all(parts):
         raise UsageError("an empty prompt next to a `---` line: remove the extra separator")
     return parts
+
+
+def parse_connect(rest: str):
+    """`%pagedkv connect` options; a mistake is one UsageError line."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):
+            raise UsageError(f"{message} (e.g. %pagedkv connect http://127.0.0.1:8000 --model NAME)")
+
+    p = Parser(prog="%pagedkv connect", add_help=False)
+    p.add_argument("url")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT")
+    p.add_argument("--kv-events-topic", default="")
+    try:
+        argv = shlex.split(rest)
+    except ValueError as err:
+        raise UsageError(f"cannot read the options: {err} (check the quotes)") from None
+    return p.parse_args(argv)
 
 
 def parse_line(magic: Callable, line: str):
@@ -143,7 +169,7 @@ class PagedKVMagics(Magics):
     def pagedkv(self, line: str) -> None:
         """Load, inspect and release the kernel's paged KV-cache engine. `%pagedkv help` for a tour."""
         words = line.split(None, 1)
-        if words and words[0] in ("bench", "plan"):
+        if words and words[0] in ("bench", "plan", "connect", "disconnect"):
             return getattr(self, "_" + words[0])(words[1] if len(words) > 1 else "")
         args = parse_line(self.pagedkv, line)
         if args.command != "load":
@@ -239,6 +265,32 @@ class PagedKVMagics(Magics):
         from IPython.display import Image, display
         for path in plots:
             display(Image(filename=path))
+
+    def _connect(self, rest: str) -> None:
+        """Hand the magics a server client; the local engine stays loaded for `disconnect`."""
+        from .remote import RemoteError
+        args = parse_connect(rest)
+        try:
+            client = self.session.connect(args.url, api_key=args.api_key, model=args.model,
+                                          timeout=args.timeout, kv_events=args.kv_events,
+                                          kv_events_topic=args.kv_events_topic)
+        except (RemoteError, ValueError) as err:
+            raise UsageError(f"cannot connect: {err}") from None
+        local = self.session.local_engine
+        print(f"connected to {client.name}" + (f" (vLLM {client.version})" if client.version else "")
+              + "; %%generate and %%chat now run there"
+              + (f"; `%pagedkv disconnect` returns to {local.name}" if local is not None else ""))
+
+    def _disconnect(self, rest: str) -> None:
+        if rest.strip():
+            raise UsageError("`%pagedkv disconnect` takes no arguments")
+        client = self.session.disconnect()
+        if client is None:
+            print("not connected to a server: nothing to disconnect")
+            return
+        back = self.session.engine
+        print(f"disconnected from {client.name}; "
+              + (f"back to {back.name}" if back is not None else "no local model loaded (`%pagedkv load`)"))
 
     def _plan(self, rest: str) -> None:
         """The capacity planner in-process (it is arithmetic), with its concurrency plot."""
@@ -409,6 +461,8 @@ class PagedKVMagics(Magics):
         failed = {p.request_id for p in run.panels if p.output.finish_reason == "abort"}
         for req in list(run.engine.finished_requests):
             if req.request_id in failed and req.error is not None:
+                if type(req.error).__name__ == "RemoteError":   # network/server trouble: one line
+                    raise UsageError(str(req.error))
                 raise req.error
 
     def _start_background(self, run: CellRun, prompts: Sequence, params, out_var: str | None,

@@ -109,6 +109,8 @@ class ChatSession:
         """Token ids of the next prompt; extends the previous turn's tokens when the template allows."""
         messages = self.conversation(user_message)
         self.reused_tokens = False
+        if getattr(engine, "is_remote", False):
+            return engine.apply_chat_template(messages)   # the server templates the messages
         if self.token_ids:
             tok = engine.tokenizer
             full = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -143,6 +145,34 @@ class KernelSession:
     origins: dict[str, str] = field(default_factory=dict)   # request id -> "generate", "chat NAME", ...
     rss_before_load: int = 0      # RSS after importing torch + transformers, before any weights
     load_seconds: float = 0.0
+    local_engine: Engine | None = None   # kept aside while `engine` is a server client
+
+    @property
+    def connected(self) -> bool:
+        return getattr(self.engine, "is_remote", False)
+
+    def connect(self, url: str, **kwargs: Any) -> Any:
+        """Point the magics at a vLLM server; the local engine (if any) waits for `disconnect`."""
+        from .remote import RemoteEngine
+        client = RemoteEngine(url, **kwargs)   # raises before anything changes here
+        if self.connected:
+            self.engine.shutdown()
+        else:
+            self.local_engine = self.engine
+        self.engine = client
+        for chat in self.chats.values():
+            chat.forget_tokens()
+        return client
+
+    def disconnect(self) -> Any:
+        """Back to the local engine (None if none was loaded); returns the closed client."""
+        if not self.connected:
+            return None
+        client, self.engine, self.local_engine = self.engine, self.local_engine, None
+        client.shutdown()
+        for chat in self.chats.values():
+            chat.forget_tokens()
+        return client
 
     def require_engine(self) -> Engine:
         if self.engine is None:
@@ -152,6 +182,7 @@ class KernelSession:
     def load(self, model: str | None, progress: bool = True, **engine_kwargs: Any) -> Engine:
         """Replace the engine: unload the old one first (its memory back), then load and start."""
         preflight(model, engine_kwargs.get("device", "auto"), engine_kwargs.get("dtype", "auto"))
+        self.disconnect()
         if self.engine is not None:
             self.unload()
         from tqdm.auto import tqdm
@@ -182,6 +213,7 @@ class KernelSession:
 
     def unload(self) -> tuple[int, int]:
         """Shut the engine down and drop every reference to it; returns RSS (before, after)."""
+        self.disconnect()   # connected: the model to release is the local one kept aside
         before = rss_bytes()
         engine, self.engine = self.engine, None
         if engine is None:
@@ -197,6 +229,8 @@ class KernelSession:
     def summary_line(self) -> str:
         """Model, device, dtype, blocks x block size = capacity, bytes per block, KV memory."""
         e = self.require_engine()
+        if self.connected:
+            return e.summary_line()
         dtype = str(e.dtype).replace("torch.", "")
         capacity = e.pool.num_blocks * e.block_size
         return (f"{e.name} on {e.device.type} ({dtype}): {e.pool.num_blocks:,} blocks × {e.block_size} "

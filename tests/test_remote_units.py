@@ -1,0 +1,243 @@
+"""The server client without a server: a tiny fake OpenAI-compatible HTTP server for its error paths
+(auth, wrong model, unreachable, timeout, dropped stream), the Prometheus and msgpack readers, and
+the KV-event block map. The real vLLM server is exercised in test_remote_vllm.py."""
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from IPython.core.error import UsageError
+
+from jupyter_pagedkv import Engine
+from jupyter_pagedkv.kv_events import BlockMap, MsgpackError, unpack_msgpack
+from jupyter_pagedkv.remote import RemoteEngine, RemoteError
+from jupyter_pagedkv.sampling_params import SamplingParams
+from jupyter_pagedkv.server_metrics import KV_USAGE, PREFIX_HITS, ServerMetrics, parse_prometheus
+from jupyter_pagedkv.session import KernelSession
+
+METRICS = """\
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 200.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0
+vllm:prefix_cache_hits_total{engine="0",model_name="other"} 1000.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 500.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 4.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 6.0
+vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="100"} 1.0
+"""
+
+
+class FakeServer(BaseHTTPRequestHandler):
+    """Serves model 'm'; the prompt text picks the behaviour: ok, drop, hang, error."""
+
+    key: str | None = None
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _authorized(self) -> bool:
+        if self.key and self.headers.get("Authorization") != f"Bearer {self.key}":
+            self._json(401, {"error": "Unauthorized"})
+            return False
+        return True
+
+    def _json(self, status: int, obj) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/metrics":
+            body = METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif self._authorized() and self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "m"}]})
+        elif self.path == "/version":
+            self._json(200, {"version": "fake"})
+
+    def do_POST(self) -> None:
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not self._authorized():
+            return
+        if req["model"] != "m":
+            self._json(404, {"error": {"message": f"The model `{req['model']}` does not exist."}})
+            return
+        prompt = req.get("prompt")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+
+        def send(obj) -> None:
+            self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+            self.wfile.flush()
+
+        send({"choices": [{"index": 0, "text": "Hello", "token_ids": [1]}], "prompt_token_ids": [5, 6, 7]})
+        if prompt == "hang":
+            time.sleep(3)
+            return
+        send({"choices": [{"index": 0, "text": " world", "token_ids": [2]}]})
+        if prompt == "drop":
+            return   # connection closes without a finish reason or [DONE]
+        send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        send({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
+                                       "prompt_tokens_details": {"cached_tokens": 2}}})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def fake():
+    handler = type("Handler", (FakeServer,), {"key": None})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield handler, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_generate_stream_and_usage(fake):
+    _, url = fake
+    client = Engine.connect(url + "/v1")
+    out = client.generate("ok", SamplingParams(max_tokens=2))[0]
+    assert (out.text, out.token_ids, out.finish_reason) == ("Hello world", [1, 2], "length")
+    assert out.prompt_token_ids == [5, 6, 7] and out.num_cached_tokens == 2
+    assert out.metrics.num_generated_tokens == 2 and out.metrics.ttft is not None
+    assert [d.text for d in client.stream("ok")] == ["Hello", " world", ""]
+    client.check_invariants()
+    assert not client.live_requests()
+
+
+def test_one_line_errors(fake):
+    handler, url = fake
+    with pytest.raises(RemoteError, match=r"model 'nope' is not served .* it serves m; pass --model m"):
+        Engine.connect(url, model="nope")
+    handler.key = "sekret"
+    with pytest.raises(RemoteError, match=r"HTTP 401, unauthorized\): pass the server's key with --api-key"):
+        Engine.connect(url)
+    with pytest.raises(RemoteError, match="check --api-key"):
+        Engine.connect(url, api_key="wrong")
+    assert Engine.connect(url, api_key="sekret").model == "m"
+    port = url.rsplit(":", 1)[1]
+    with pytest.raises(RemoteError, match="connection refused; is the server running"):
+        Engine.connect("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="not a server URL"):
+        Engine.connect("ftp://x:" + port)
+
+
+def test_dropped_and_stalled_streams_end_the_request(fake):
+    _, url = fake
+    client = Engine.connect(url, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match="dropped before the end .* output so far is kept"):
+        client.generate("drop")
+    with pytest.raises(RemoteError, match=r"did not answer while streaming within 1 s"):
+        client.generate("hang")
+    assert time.monotonic() - t0 < 10
+    failed = list(client.finished_requests)
+    assert [r.seqs[0].finish_reason for r in failed] == ["abort", "abort"]
+    assert failed[0].texts[0] == "Hello world"
+    assert not client.live_requests()
+
+
+def test_abort_closes_the_stream(fake):
+    _, url = fake
+    client = Engine.connect(url, timeout=10.0)
+    rid = client.add_request("hang")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert client.abort(rid)
+    assert time.monotonic() - t0 < 2
+    req = client.finished_requests[-1]
+    assert req.error is None and req.seqs[0].finish_reason == "abort"
+    assert not client.abort(rid)
+
+
+def test_magics_connect_generate_disconnect(fake, capsys):
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+
+    _, url = fake
+    ip = start_ipython() or get_ipython()   # None once another module started it
+    ip.run_line_magic("load_ext", "jupyter_pagedkv")
+    from jupyter_pagedkv import session
+    saved, session._current = session._current, KernelSession()
+    try:
+        with pytest.raises(UsageError, match="cannot connect: model 'x' is not served"):
+            ip.run_line_magic("pagedkv", f"connect {url} --model x")
+        with pytest.raises(UsageError, match="e.g. %pagedkv connect"):
+            ip.run_line_magic("pagedkv", "connect")
+        ip.run_line_magic("pagedkv", f"connect {url} --timeout 1")
+        assert "connected to m @" in capsys.readouterr().out
+        ip.run_cell_magic("generate", "--max-tokens 2 --raw", "ok")
+        out = capsys.readouterr().out
+        assert "Hello world" in out and "2/3 prompt tokens cached" in out
+        with pytest.raises(UsageError, match="dropped before the end"):
+            ip.run_cell_magic("generate", "--max-tokens 2 --raw", "drop")
+        ip.run_line_magic("pagedkv", "status")
+        assert "KV usage 25.0%" in capsys.readouterr().out
+        from jupyter_pagedkv.monitor_channel import snapshot
+        snap = snapshot(session.current())   # the monitor comm's payload, unchanged shape
+        assert snap["device"] == "remote" and snap["stats"]["num_used"] == 25
+        assert snap["pool"]["states"].count("used") == 25 and len(snap["pool"]["states"]) == 100
+        ip.run_line_magic("pagedkv", "monitor")
+        assert "legend" in capsys.readouterr().out
+        ip.run_line_magic("pagedkv", "requests")
+        table = capsys.readouterr().out
+        assert "remote-0  generate  done (length)  3" in table and "remote-1  generate  failed" in table
+        ip.run_line_magic("pagedkv", "disconnect")
+        assert "no local model loaded" in capsys.readouterr().out
+        assert session.current().engine is None
+    finally:
+        session._current = saved
+
+
+def test_prometheus_stats(fake):
+    _, url = fake
+    m = ServerMetrics(parse_prometheus(METRICS), "m")
+    assert m.value(KV_USAGE) == 0.25 and m.value(PREFIX_HITS) == 64.0
+    s = Engine.connect(url).stats()
+    assert (s.num_blocks, s.block_size, s.num_used, s.num_running, s.num_waiting) == (100, 32, 25, 3, 1)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions, s.num_finished) == (200, 64, 2, 10)
+    assert "KV events: off" in s.summary()
+
+
+def test_msgpack_reader():
+    assert unpack_msgpack(b"\x93\x01\xcc\xff\xd0\xfe") == [1, 255, -2]
+    assert unpack_msgpack(b"\x82\xa4type\xabBlockStored\xa1x\xc0") == {"type": "BlockStored", "x": None}
+    assert unpack_msgpack(b"\xcb" + struct.pack(">d", 1.5)) == 1.5
+    assert unpack_msgpack(b"\xc4\x02ab") == b"ab"
+    assert unpack_msgpack(b"\xcf" + (2**63 + 5).to_bytes(8, "big")) == 2**63 + 5
+    with pytest.raises(MsgpackError, match="truncated"):
+        unpack_msgpack(b"\x93\x01")
+    with pytest.raises(MsgpackError, match="trailing"):
+        unpack_msgpack(b"\x01\x02")
+
+
+def test_block_map_from_events():
+    m = BlockMap()
+    stored = lambda hs: {"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None,
+                         "token_ids": [], "block_size": 32}
+    m.apply_batch([0.0, [stored([1, 2, 3]), stored([b"\x04"])]], seq=0)
+    assert m.num_blocks == 4 and m.block_size == 32
+    m.apply_batch([0.1, [{"type": "BlockRemoved", "block_hashes": [2, 99]}]], seq=2)
+    assert m.num_blocks == 3 and m.unknown_removed == 1 and m.missed_batches == 1
+    m.apply(stored([5]))
+    assert m.slots[5] == 1   # the freed slot is reused
+    m.apply({"type": "AllBlocksCleared"})
+    assert m.num_blocks == 0
+    with pytest.raises(MsgpackError):
+        m.apply_batch({"not": "a batch"})

@@ -1,0 +1,178 @@
+"""`%pagedkv connect` against a real vLLM server (the CPU build in .venv-peers) on localhost.
+
+One server for the module: the embedded model's cached plain-HF folder, fp32, eager, block size
+32, 1 GiB of KV, prefix caching, cached-token usage details and KV events on ZMQ. Starting it is
+most of this module's time (~1-4 min, by machine load). Skipped, with the reason, when the peer
+venv is missing: `make test` attempts `make bench-peers` first (see the Makefile).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+from jupyter_pagedkv import Engine, streaming
+from jupyter_pagedkv.peer_server import PeerServer, ServerConfig, free_port, peer_python
+from jupyter_pagedkv.sampling_params import SamplingParams
+from jupyter_pagedkv.session import KernelSession
+
+pytestmark = pytest.mark.slow
+
+TOPICS = ["Apples", "Bicycles", "Clouds", "Deserts", "Engines", "Forests", "Glaciers", "Harbors",
+          "Islands", "Jungles", "Kites", "Lighthouses", "Mountains", "Nebulae", "Oceans", "Pyramids"]
+
+
+QUESTIONS = ["What is the capital of France?", "Give me two tips for learning to code.",
+             "Why is the sky blue?"]
+GREEDY = SamplingParams(max_tokens=32, temperature=0)
+
+
+def require_peers():
+    py = peer_python()
+    if py is None:
+        pytest.skip("no peer venv (.venv-peers/.ok): `make bench-peers` could not build vLLM's CPU "
+                    "build here; run it to enable the server tests")
+    return py
+
+
+@pytest.fixture(scope="module")
+def local_greedy(embedded):
+    """The local engine's greedy chat outputs, computed before the server starts: vLLM's CPU
+    worker keeps its core busy, and two compute-bound processes on two cores slow both badly."""
+    require_peers()
+    model, tokenizer = embedded
+    local = Engine(model, tokenizer, kv_cache_memory="64MiB")
+    # One thread, as vLLM's CPU worker here: on an oversubscribed machine two OpenMP threads ran
+    # these 32 tokens 10x slower (105 s against 10 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return local.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
+    finally:
+        torch.set_num_threads(threads)
+        local.stop()
+        local.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def server(local_greedy):
+    py = require_peers()
+    from jupyter_pagedkv.loader import embedded_model_dir
+    cfg = ServerConfig(str(embedded_model_dir()), port=free_port(), kv_events_port=free_port())
+    log = os.path.join(tempfile.gettempdir(), f"pagedkv-vllm-{cfg.port}.log")
+    srv = PeerServer(cfg, py, log).start()
+    try:
+        print(f"vLLM server ready in {srv.wait_ready(timeout=900):.0f} s (log: {log})")
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    c = Engine.connect(server.config.url, kv_events=server.config.kv_events_endpoint, timeout=300)
+    yield c
+    c.shutdown()
+    assert not c.live_requests()
+    c.check_invariants()
+
+
+@pytest.fixture
+def ip(server, capsys):
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+
+    from jupyter_pagedkv import session
+    shell = start_ipython() or get_ipython()   # None once another module started it
+    shell.run_line_magic("load_ext", "jupyter_pagedkv")
+    saved, session._current = session._current, KernelSession()
+    yield shell
+    session.current().disconnect()
+    session._current = saved
+
+
+def test_magics_connect_stream_and_chat_cached_tokens(server, ip, capsys, monkeypatch):
+    from jupyter_pagedkv import session
+
+    ip.run_line_magic("pagedkv", f"connect {server.config.url} --model smollm2 --timeout 300")
+    assert "connected to smollm2 @" in capsys.readouterr().out
+    writes: list[str] = []
+    real = streaming.PrintRenderer.__init__
+    monkeypatch.setattr(streaming.PrintRenderer, "__init__",
+                        lambda self, write=None: real(self, writes.append))
+    ip.run_cell_magic("generate", "--max-tokens 24 --temperature 0 --out g", "Name three colors.")
+    monkeypatch.undo()
+    out = ip.user_ns["g"]
+    assert out.text and out.metrics.num_generated_tokens == len(out.token_ids) > 1
+    text_writes = [w for w in writes if not w.startswith("\n[")]
+    assert len(text_writes) > 1, "the text arrived in one piece: not streamed"
+    assert "".join(text_writes) == out.text
+
+    ip.run_cell_magic("chat", "t --max-tokens 24 --temperature 0 --out a",
+                      "My name is Ada and I like sailing on lakes in the summer. Say hello.")
+    ip.run_cell_magic("chat", "t --max-tokens 24 --temperature 0 --out b", "What is my name?")
+    first, second = ip.user_ns["a"], ip.user_ns["b"]
+    # The second turn's prompt starts with the whole first turn: the server's prefix cache hits
+    # its full blocks and says so in usage.prompt_tokens_details.cached_tokens.
+    assert len(second.prompt_token_ids) > len(first.prompt_token_ids) >= 32
+    assert second.num_cached_tokens >= 32 and second.num_cached_tokens % 32 == 0
+    assert f"{second.num_cached_tokens}/{len(second.prompt_token_ids)} prompt tokens cached" \
+        in capsys.readouterr().out
+    assert session.current().chats["t"].num_turns == 2
+    ip.run_line_magic("pagedkv", "status")
+    assert "prefix cache:" in capsys.readouterr().out
+    ip.run_line_magic("pagedkv", "disconnect")
+    assert session.current().engine is None
+
+
+def test_gauges_move_and_kv_events_match_usage(client):
+    client.reset_prefix_cache()     # the server runs with VLLM_SERVER_DEV_MODE=1 for this
+    client.events.wait_quiet()
+    assert client.events.snapshot().num_blocks == 0
+    before = client.stats()
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = [f"{t} are interesting. Write a short paragraph about {t.lower()}, their history and "
+               f"why people care about them." for t in TOPICS]
+    ids = [client.add_request(p, params) for p in prompts]
+    samples = []
+    while client.has_unfinished_requests():
+        e1 = client.events.snapshot().num_blocks
+        s = client.stats()
+        e2 = client.events.snapshot().num_blocks
+        live = len(client.live_requests())
+        samples.append((s.num_used, e1, e2, s.num_running, s.num_waiting, live, s.kv_cache_usage))
+        time.sleep(0.5)
+    outs = [client._output(client._get_request(rid)) for rid in ids]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 32 for o in outs)
+    client.events.wait_quiet()
+    after = client.stats()
+    print("samples (used, events before, events after, running, waiting, live, usage):", samples)
+
+    # Gauges moved during the run.
+    assert max(s[3] for s in samples) >= 2 and max(s[6] for s in samples) > 0
+    assert after.num_generated_tokens - before.num_generated_tokens == 16 * 32
+    assert after.prefix_cache_queries - before.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in outs)
+    assert after.num_finished - before.num_finished == 16 and after.num_running == 0
+    # While all 16 were running, the blocks the events published are the full blocks in use;
+    # /metrics counts the partly filled last block of each request too: within one per request.
+    running = [s for s in samples if s[5] == 16 and s[3] == 16]
+    assert running, "no sample caught all 16 requests running"
+    for used, e1, e2, n, _, _, _ in running:
+        assert min(abs(used - e1), abs(used - e2)) <= n, (used, e1, e2, n)
+    # Afterwards: every full block (prompt + output, less the last token whose KV is never
+    # computed) was published once; the prompts share no full block.
+    expected = sum((len(o.prompt_token_ids) + 32 - 1) // 32 for o in outs)
+    assert client.events.snapshot().num_blocks == expected
+    snap = client.pool_snapshot()
+    assert snap["states"].count("cached") == expected and snap["num_blocks"] == after.num_blocks
+
+
+def test_greedy_text_equals_local_engine(client, local_greedy):
+    """fp32 on both sides, the model's own chat template on both sides (ours via transformers,
+    the server's via its tokenizer): same prompt tokens, same greedy tokens, same text."""
+    theirs = client.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
+    for a, b in zip(local_greedy, theirs):
+        assert b.prompt_token_ids == a.prompt_token_ids   # the same chat template, token for token
+        assert b.token_ids == a.token_ids and b.text == a.text
