@@ -87,7 +87,7 @@ class MonitorFeed:
         self.engine = engine
         self.threaded = threaded
         self.interval, self.resync_interval, self.idle_poll = interval, resync_interval, idle_poll
-        n = engine.pool.num_blocks
+        n, self.block_size = self._pool_shape()
         self.legend: list[str] = list(KNOWN_STATES)
         self._code = {s: i for i, s in enumerate(self.legend)}
         self.codes = np.zeros(n, dtype=np.uint8)
@@ -111,11 +111,26 @@ class MonitorFeed:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
-        with engine._lock:
-            engine.pool.drain_touched()
-            self._compare(engine.pool_snapshot(), None)
-            self.gauges = self._gauges_locked()
+        self._prime()
         self._next_full = time.monotonic() + resync_interval
+
+    # -- what the feed reads from its engine (a server client's feed overrides these) -------------
+    def _pool_shape(self) -> tuple[int, int]:
+        return self.engine.pool.num_blocks, self.engine.block_size
+
+    def _prime(self) -> None:
+        """The first picture, before any subscriber."""
+        with self.engine._lock:
+            self.engine.pool.drain_touched()
+            self._compare(self.engine.pool_snapshot(), None)
+            self.gauges = self._gauges_locked()
+
+    def _listen(self, on: bool) -> None:
+        """Wake on engine steps (on) or stop (off); without it the thread polls every idle_poll."""
+        if on:
+            self.engine.add_step_listener(self._wake.set)
+        else:
+            self.engine.remove_step_listener(self._wake.set)
 
     # -- subscribers ----------------------------------------------------------------------------
     def subscribe(self, send: Subscriber) -> int:
@@ -158,7 +173,7 @@ class MonitorFeed:
         """Everything as last published (diffs continue from here)."""
         with self._mutex:
             n = len(self.codes)
-            return Frame(self.seq, -1, True, n, self.engine.block_size, list(self.legend),
+            return Frame(self.seq, -1, True, n, self.block_size, list(self.legend),
                          np.arange(n, dtype=np.uint32), self.codes.copy(), self.refs.copy(),
                          {k: list(v) for k, v in self.owners.items()}, dict(self.gauges),
                          list(self.history))
@@ -166,13 +181,13 @@ class MonitorFeed:
     # -- the thread -------------------------------------------------------------------------------
     def _start(self) -> None:
         self._stop.clear()
-        self.engine.add_step_listener(self._wake.set)
+        self._listen(True)
         self._thread = threading.Thread(target=self._run, daemon=True, name="pagedkv-monitor-feed")
         self._thread.start()
 
     def _halt(self) -> threading.Thread | None:
         """Stop the thread (called under the mutex); the caller joins it after releasing it."""
-        self.engine.remove_step_listener(self._wake.set)
+        self._listen(False)
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
@@ -227,24 +242,30 @@ class MonitorFeed:
                 else:
                     snap = None
                 live = self._live_counts_locked()
-            prev = self.seq
             changed = [] if snap is None else self._compare(snap, None if full_scan else snap["block_ids"])
-            self.gauges = self._gauges(live)
-            self.history.append(self.gauges["kv_cache_usage"])
-            self.seq += 1
-            ids = np.asarray(changed, dtype=np.uint32)
-            frame = Frame(self.seq, prev, False, len(self.codes), engine.block_size, list(self.legend),
-                          ids, self.codes[ids], self.refs[ids],
-                          {i: list(self.owners.get(i, ())) for i in changed}, dict(self.gauges))
-            for token, send in list(self._subscribers.items()):
-                try:
-                    send(frame)
-                except Exception:   # that front end is gone
-                    self._subscribers.pop(token, None)
-            self.num_frames += 1
+            frame = self._emit(changed, live)
             self.publish_times.append(time.perf_counter() - t_locked)
             self.lock_wait_times.append(t_locked - t0)
             return frame
+
+    def _emit(self, changed: list[int], live: dict[str, Any]) -> Frame:
+        """New gauges from `live` counts, then a diff frame of the `changed` blocks to everyone
+        (called under the mutex, after `_compare` folded the new snapshot in)."""
+        prev = self.seq
+        self.gauges = self._gauges(live)
+        self.history.append(self.gauges["kv_cache_usage"])
+        self.seq += 1
+        ids = np.asarray(changed, dtype=np.uint32)
+        frame = Frame(self.seq, prev, False, len(self.codes), self.block_size, list(self.legend),
+                      ids, self.codes[ids], self.refs[ids],
+                      {i: list(self.owners.get(i, ())) for i in changed}, dict(self.gauges))
+        for token, send in list(self._subscribers.items()):
+            try:
+                send(frame)
+            except Exception:   # that front end is gone
+                self._subscribers.pop(token, None)
+        self.num_frames += 1
+        return frame
 
     def _compare(self, snap: dict, block_ids: list[int] | None) -> list[int]:
         """Fold a (partial) pool snapshot into the published arrays; return the ids that changed."""
@@ -306,7 +327,7 @@ class MonitorFeed:
 
     def _gauges(self, live: dict[str, Any]) -> dict[str, Any]:
         """EngineStats' block gauges, computed from the published arrays (O(num_blocks) in numpy)."""
-        n, bs = len(self.codes), self.engine.block_size
+        n, bs = len(self.codes), self.block_size
         counts = np.bincount(self.codes, minlength=len(self.legend))
         num_used = int(np.count_nonzero(self.refs))
         num_shared = int(np.count_nonzero(self.refs > 1))

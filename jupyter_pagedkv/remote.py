@@ -137,6 +137,8 @@ class RemoteEngine:
         self.tokenizer = ServerTemplate()
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._feed_lock = threading.Lock()
+        self._monitor_feed = None
         self._requests: dict[str, RemoteRequest] = {}
         self.finished_requests: deque[RemoteRequest] = deque(maxlen=1000)
         self._rate: deque[tuple[float, float]] = deque(maxlen=64)   # (time, generation_tokens_total)
@@ -548,14 +550,15 @@ class RemoteEngine:
                 result[name] = {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
         return result
 
-    def pool_snapshot(self) -> dict:
-        """The local engine's snapshot shape, from the server's KV events and usage gauge.
+    def pool_snapshot(self, stats: RemoteStats | None = None) -> dict:
+        """The local engine's snapshot shape, from the server's KV events and usage gauge (`stats`:
+        a scrape already made, so a monitor polls /metrics once, not twice).
 
         Block positions are ours (events carry hashes, not physical ids): full blocks published by
         the server come first as 'cached' (reusable prefix), then the blocks /metrics says are in
         use beyond those (partly filled, never published) as 'used'; ref counts are not published.
         """
-        stats = self.stats()
+        stats = stats or self.stats()
         stored = stats.kv_event_blocks or 0
         n = max(stats.num_blocks, stored)
         states = ["free"] * n
@@ -609,6 +612,20 @@ class RemoteEngine:
                 f": {s.num_blocks:,} blocks × {s.block_size} = {s.num_blocks * s.block_size:,} tokens "
                 f"of KV on the server" + (", KV events on" if self.events is not None else ""))
 
+    @property
+    def monitor_feed(self):
+        """The one RemoteMonitorFeed of this client (created on first use), shared by every monitor."""
+        with self._feed_lock:         # not self._lock: creating the feed calls stats(), which takes it
+            if self._monitor_feed is None:
+                from .remote_monitor import RemoteMonitorFeed
+                self._monitor_feed = RemoteMonitorFeed(self)
+            return self._monitor_feed
+
+    def monitor(self, **kwargs):
+        """The live block-pool widget, drawn from the server's /metrics and KV events."""
+        from .widgets import BlockPoolMonitor
+        return BlockPoolMonitor(self, **kwargs)
+
     def start(self) -> None:
         pass
 
@@ -618,6 +635,8 @@ class RemoteEngine:
             self.abort(req.request_id)
         if self.events is not None:
             self.events.close()
+        if self._monitor_feed is not None:
+            self._monitor_feed.close()
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.name!r})"

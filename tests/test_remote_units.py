@@ -14,7 +14,8 @@ from IPython.core.error import UsageError
 
 from jupyter_pagedkv import Engine
 from jupyter_pagedkv.kv_events import BlockMap, MsgpackError, unpack_msgpack
-from jupyter_pagedkv.remote import RemoteEngine, RemoteError
+from jupyter_pagedkv.remote import RemoteError
+from jupyter_pagedkv.remote_monitor import RemoteMonitorFeed
 from jupyter_pagedkv.sampling_params import SamplingParams
 from jupyter_pagedkv.server_metrics import KV_USAGE, PREFIX_HITS, ServerMetrics, parse_prometheus
 from jupyter_pagedkv.session import KernelSession
@@ -40,6 +41,7 @@ class FakeServer(BaseHTTPRequestHandler):
     """Serves model 'm'; the prompt text picks the behaviour: ok, drop, hang, error."""
 
     key: str | None = None
+    metrics: str = METRICS     # a test may swap in other gauges between scrapes
 
     def log_message(self, *args) -> None:
         pass
@@ -60,7 +62,7 @@ class FakeServer(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/metrics":
-            body = METRICS.encode()
+            body = self.metrics.encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -101,7 +103,7 @@ class FakeServer(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake():
-    handler = type("Handler", (FakeServer,), {"key": None})
+    handler = type("Handler", (FakeServer,), {"key": None, "metrics": METRICS})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -241,3 +243,32 @@ def test_block_map_from_events():
     assert m.num_blocks == 0
     with pytest.raises(MsgpackError):
         m.apply_batch({"not": "a batch"})
+
+
+def test_monitor_feed_and_widget_follow_the_server(fake):
+    """The live monitor of a client: the local feed's frames, polled from /metrics (no KV events
+    here, so the map is the usage gauge's count of used blocks)."""
+    handler, url = fake
+    client = Engine.connect(url)
+    feed = RemoteMonitorFeed(client, threaded=False)
+    frames = []
+    token = feed.subscribe(frames.append)
+    first = frames[0]
+    assert first.full and (first.num_blocks, first.block_size) == (100, 32)
+    assert first.gauges["num_used"] == 25 and first.gauges["num_running"] == 3
+    assert first.gauges["prefix_hit_rate"] == 64 / 200
+    handler.metrics = (METRICS.replace("usage_perc{engine=\"0\",model_name=\"m\"} 0.25",
+                                       "usage_perc{engine=\"0\",model_name=\"m\"} 0.5")
+                       .replace("running{engine=\"0\",model_name=\"m\"} 3.0",
+                                "running{engine=\"0\",model_name=\"m\"} 7.0"))
+    diff = feed.publish()
+    assert diff is frames[-1] and diff.prev == first.seq and not diff.full
+    assert diff.ids.tolist() == list(range(25, 50))           # only the newly used blocks travel
+    assert diff.gauges["kv_cache_usage"] == 0.5 and diff.gauges["num_running"] == 7
+    feed.unsubscribe(token)
+    widget = client.monitor()                                  # the client's own shared feed
+    assert repr(widget) == f"BlockPoolMonitor('m @ {url}': 100 blocks × 32 tokens)"
+    assert widget.base["gauges"]["num_used"] == 50
+    widget.close()
+    client.shutdown()
+    assert client.monitor_feed.num_subscribers == 0

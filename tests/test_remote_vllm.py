@@ -16,6 +16,7 @@ import torch
 
 from jupyter_pagedkv import Engine, streaming
 from jupyter_pagedkv.peer_server import PeerServer, ServerConfig, free_port, peer_python
+from jupyter_pagedkv.remote_monitor import RemoteMonitorFeed
 from jupyter_pagedkv.sampling_params import SamplingParams
 from jupyter_pagedkv.session import KernelSession
 
@@ -135,9 +136,13 @@ def test_gauges_move_and_kv_events_match_usage(client):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     prompts = [f"{t} are interesting. Write a short paragraph about {t.lower()}, their history and "
                f"why people care about them." for t in TOPICS]
+    feed = RemoteMonitorFeed(client, threaded=False)     # what the widget and the side panel draw
+    frames = []
+    feed.subscribe(frames.append)
     ids = [client.add_request(p, params) for p in prompts]
     samples = []
     while client.has_unfinished_requests():
+        feed.publish()
         e1 = client.events.snapshot().num_blocks
         s = client.stats()
         e2 = client.events.snapshot().num_blocks
@@ -167,6 +172,10 @@ def test_gauges_move_and_kv_events_match_usage(client):
     assert client.events.snapshot().num_blocks == expected
     snap = client.pool_snapshot()
     assert snap["states"].count("cached") == expected and snap["num_blocks"] == after.num_blocks
+    # The monitor's frames moved with the run and end on the same map.
+    last = feed.publish()
+    assert max(f.gauges["num_running"] for f in frames) >= 2 and max(f.gauges["num_used"] for f in frames) > 0
+    assert last.gauges["states"].get("cached", 0) == expected and last.gauges["num_running"] == 0
 
 
 def test_greedy_text_equals_local_engine(client, local_greedy):

@@ -33,10 +33,11 @@ class BlockPoolMonitor(anywidget.AnyWidget):
         if height < 40:
             raise ValueError(f"height={height} is too small to draw the pool: give at least 40 (pixels)")
         name = engine.name
-        n, bs = engine.pool.num_blocks, engine.block_size
+        feed = engine.monitor_feed        # a local engine's, or a server client's (same frames)
+        n, bs = len(feed.codes), feed.block_size
         super().__init__(title=f"KV cache · {name} · {n:,} blocks × {bs} tokens", height=height, **kwargs)
         self._label = f"BlockPoolMonitor({name!r}: {n:,} blocks × {bs} tokens)"
-        self._feed = engine.monitor_feed
+        self._feed = feed
         self.on_msg(self._on_request)
         self._token = self._feed.subscribe(self._receive)
 
