@@ -119,3 +119,19 @@ def test_the_simulator_reproduces_the_embedded_models_schedule(embedded, make_en
     check, _ = offline_check(engine, timed)
     assert check.identical, check.line()
     assert check.real_preemptions > 0
+
+
+def test_benchmark_conversations_carry_their_own_history(embedded, make_engine):
+    """bench tail's real workload: each request's earlier turns answered by the model itself."""
+    from jupyter_pagedkv.bench.workload import FOLLOW_UPS, chat_requests, with_history
+
+    engine = make_engine(*embedded, num_blocks=64)
+    requests = chat_requests(2, seed=0)
+    conversations = with_history(engine, requests, turns=2, reply_tokens=8)
+    for i, (conv, req) in enumerate(zip(conversations, requests)):
+        assert conv[0] == req.messages[0]
+        assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant", "user"]
+        assert conv[2]["content"] == FOLLOW_UPS[i % len(FOLLOW_UPS)]
+        first = engine.chat([req.messages], SamplingParams(max_tokens=8, temperature=0.0))[0].text.strip()
+        assert conv[1]["content"] == first          # the reply the model gives to the first question
+    assert req.messages == [req.messages[0]]         # the requests themselves are left as they were

@@ -84,7 +84,7 @@ def sim_scale(args) -> dict:
 def real_scale(args) -> dict:
     import torch
 
-    from ..bench.workload import chat_requests
+    from ..bench.workload import chat_requests, with_history
     from ..engine import Engine
     from ..loader import load_model
     from ..sampling_params import SamplingParams
@@ -100,8 +100,14 @@ def real_scale(args) -> dict:
                       allocator=allocator, enable_prefix_caching=False, preemption_mode=preemption,
                       swap_space="256MiB")
 
-    probe = engine("paged", args.real_num_blocks)
-    prompts = [probe.apply_chat_template(r.messages) for r in chat_requests(args.real_requests, args.seed)]
+    probe = engine("paged", 512)
+    requests = chat_requests(args.real_requests, args.seed)
+    conversations = with_history(probe, requests, args.real_history_turns, args.real_history_tokens)
+    prompts = [probe.apply_chat_template(c) for c in conversations]
+    probe.check_invariants()
+    del probe
+    print(f"  prompts: {min(map(len, prompts))}-{max(map(len, prompts))} tokens "
+          f"({args.real_history_turns} earlier turns each, replies by the model itself)", flush=True)
     params = SamplingParams(max_tokens=args.real_max_tokens, temperature=0.0)
 
     def timed(rate: float) -> list[TimedPrompt]:
@@ -221,11 +227,14 @@ def main(argv: list[str]) -> int:
     g = ap.add_argument_group("real scale (embedded model, CPU)")
     g.add_argument("--real-requests", type=int, default=12)
     g.add_argument("--real-rates", type=float, nargs="+", default=[0.1, 0.2, 0.4, 0.8, 1.6])
-    g.add_argument("--real-num-blocks", type=int, default=64)
-    g.add_argument("--real-max-tokens", type=int, default=128, help="the client's cap (what contiguous reserves)")
+    g.add_argument("--real-num-blocks", type=int, default=96)
+    g.add_argument("--real-max-tokens", type=int, default=256, help="the client's cap (what contiguous reserves)")
     g.add_argument("--real-p99-bound", type=float, default=60.0, help="end-to-end, seconds")
     g.add_argument("--real-ttft-bound", type=float, default=5.0, help="time to first token, seconds")
-    g.add_argument("--real-pressure-blocks", type=int, default=28)
+    g.add_argument("--real-history-turns", type=int, default=2,
+                   help="earlier exchanges in each request's conversation (0: single questions)")
+    g.add_argument("--real-history-tokens", type=int, default=96, help="longest earlier reply")
+    g.add_argument("--real-pressure-blocks", type=int, default=48)
     g.add_argument("--real-pressure-rate", type=float, default=1.2)
     args = ap.parse_args(argv)
 
