@@ -6,7 +6,8 @@ management is the only difference), at each rate of a sweep, and each run report
 utilisation (tokens stored / slots reserved, time-weighted), max concurrent requests, throughput
 and P50/P99 TTFT and end-to-end latency; then swap vs recompute preemption under pressure.
 
-- real: the embedded model on this CPU, driven in wall-clock time (small: tens of requests);
+- real: the embedded model on this CPU, driven in wall-clock time (small: tens of requests, each
+        carrying earlier chat turns the model itself answered, as real chat traffic does);
 - sim:  Llama-3-70B on H100-80GB GPUs through the simulator (the engine's own scheduler and
         block pool; thousands of requests), plus one 10,000-request run timed end to end.
 
