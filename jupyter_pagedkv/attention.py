@@ -47,7 +47,8 @@ class PagedMetadata:
     block_tables: torch.Tensor        # [num_seqs, max_blocks] int32, padded with 0
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int64
-    decode_mask: torch.Tensor | None = None           # [num_decode, 1, 1, max_blocks*block_size]
+    decode_mask: torch.Tensor | None = None           # [num_decode, 1, 1, max_blocks*block_size] bool
+    decode_bias: torch.Tensor | None = None           # the same as 0 / -inf, added to the scores
     prefills: list[PrefillChunk] = field(default_factory=list)
     max_seq_len: int = 0
     backend: str = "torch"
@@ -83,16 +84,21 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if nd:
         bt = meta.decode_block_tables
         length = bt.shape[1] * bs
-        k = k_cache[bt].view(nd, length, kvh, d).transpose(1, 2)
-        v = v_cache[bt].view(nd, length, kvh, d).transpose(1, 2)
-        mask = meta.decode_mask
+        # index_select copies whole blocks (~4x faster than advanced indexing on the CPU).
+        k = k_cache.index_select(0, bt.view(-1)).view(nd, length, kvh, d).transpose(1, 2)
+        v = v_cache.index_select(0, bt.view(-1)).view(nd, length, kvh, d).transpose(1, 2)
+        bias = meta.decode_bias
         if sliding_window is not None:
             lens = meta.seq_lens[:nd].to(torch.int64).view(nd, 1, 1, 1)
-            mask = mask & (torch.arange(length, device=query.device).view(1, 1, 1, -1)
-                           > lens - 1 - sliding_window)
-        q = query[:nd].unsqueeze(2)                           # [nd, heads, 1, d]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[:nd] = o.squeeze(2)
+            visible = meta.decode_mask & (torch.arange(length, device=query.device).view(1, 1, 1, -1)
+                                          > lens - 1 - sliding_window)
+            bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+            bias.masked_fill_(~visible, float("-inf"))
+        # GQA folded: the query heads sharing a KV head become that head's query rows, so each
+        # KV head is read once and no `enable_gqa` broadcast is needed (same sums, same order).
+        q = query[:nd].view(nd, kvh, heads // kvh, d)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(query.dtype), scale=scale)
+        out[:nd] = o.reshape(nd, heads, d)
     for chunk in meta.prefills:
         s, n = chunk.q_start, chunk.q_len
         q = query[s:s + n].transpose(0, 1).unsqueeze(0)      # [1, heads, n, d]
@@ -108,8 +114,8 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                                is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             ctx = chunk.ctx_len
-            k = k_cache[chunk.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
-            v = v_cache[chunk.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            k = k_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            v = v_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
             mask = chunk.mask if chunk.mask is not None else _causal_mask(ctx - n, n, ctx).to(query.device)
             if sliding_window is not None:
                 qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)

@@ -79,7 +79,8 @@ class Engine:
                  preemption_mode: str = "recompute", allocator: str = "paged",
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  seed: int | None = None, swap_space: str | int | None = None,
-                 speculative=None, num_speculative_tokens: int = 4) -> None:
+                 speculative=None, num_speculative_tokens: int = 4,
+                 pack_weights: bool | None = None) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if allocator not in ("paged", "contiguous"):
@@ -120,7 +121,9 @@ class Engine:
         self.trace: list[StepRecord] | None = None   # set to [] to record every step's schedule
         from .kernels_bridge import resolve_backend
         backend = resolve_backend(self.device, None if attention_backend == "auto" else attention_backend)
-        self.runner = ModelRunner(model, self.kv_cache, self.device, backend)
+        from .packed_linear import should_pack
+        self.pack_weights = should_pack(self.device, self.dtype, pack_weights)
+        self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights)
         self.sampler = Sampler(seed)
         self.eos_token_ids = self._eos_ids()
         self._lock = threading.RLock()
@@ -187,7 +190,7 @@ class Engine:
             raise ValueError(f"speculative must be 'ngram', a draft model id/path or a model, "
                              f"got {speculative!r}")
         drafter = DraftModelDrafter(draft, name, self.pool.num_blocks, self.block_size, self.device,
-                                    self.runner.backend, self.vocab_size, self.seed)
+                                    self.runner.backend, self.vocab_size, self.seed, self.pack_weights)
         with self._lock:
             self.speculator.drafters.setdefault(name, drafter)
         return name
@@ -859,6 +862,7 @@ class Engine:
             for rid in list(self._requests):
                 self.abort(rid)
             self.kv_cache.release()
+            self.runner.packed.release()
             for drafter in self.speculator.drafters.values():
                 if hasattr(drafter, "release"):
                     drafter.release()

@@ -22,7 +22,8 @@ from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Pa
 
 COMMANDS = ("load", "unload", "status", "requests", "reset-cache", "monitor", "bench", "plan", "help")
 LOAD_OPTIONS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
-                "no_prefix_caching", "preemption", "allocator", "speculative", "num_speculative_tokens")
+                "no_prefix_caching", "preemption", "allocator", "speculative", "num_speculative_tokens",
+                "no_pack_weights")
 DEFAULT_MAX_TOKENS = 128
 _FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)*)\}")
 _SEPARATOR = re.compile(r"^[ \t]*---[ \t]*$", re.MULTILINE)
@@ -165,6 +166,8 @@ class PagedKVMagics(Magics):
               help="load: most draft tokens verified per step (4)")
     @argument("--allocator", default="paged", choices=("paged", "contiguous"),
               help="load: paged blocks, or the contiguous baseline")
+    @argument("--no-pack-weights", action="store_true",
+              help="load: plain torch GEMMs on the CPU (saves a packed copy of the weights; slower)")
     @line_magic
     def pagedkv(self, line: str) -> None:
         """Load, inspect and release the kernel's paged KV-cache engine. `%pagedkv help` for a tour."""
@@ -191,7 +194,8 @@ class PagedKVMagics(Magics):
                       num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
                       max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                       preemption_mode=args.preemption, allocator=args.allocator,
-                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                      pack_weights=False if args.no_pack_weights else None)
         replaced = self.session.engine is not None
         try:
             self.session.load(args.model, **kwargs)

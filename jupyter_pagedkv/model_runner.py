@@ -7,6 +7,7 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk
 from .kv_cache import KVCache
+from .packed_linear import PackedLinears, pack_linears, packed_gemms
 from .scheduler import ScheduledChunk
 
 
@@ -14,13 +15,16 @@ class ModelRunner:
     """Packs the step's chunks into `[1, num_tokens]` (decodes first), runs the unmodified HF model
     with our attention, and returns logits only for chunks that end at their sequence's last token."""
 
-    def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch") -> None:
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch",
+                 pack_weights: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.backend = backend
         self.last_forward_s = 0.0
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        # CPU GEMMs on weights packed once (see packed_linear.py); only inside our forward.
+        self.packed: PackedLinears = pack_linears(model) if pack_weights else PackedLinears()
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], dict]:
         """Order chunks decode-first and build the model inputs plus the shared PagedMetadata."""
@@ -83,7 +87,11 @@ class ModelRunner:
             dec_blocks = max(len(t) for t in tables[:nd])
             meta.decode_block_tables = padded[:nd, :dec_blocks].long().to(self.device)
             lens = torch.tensor(seq_lens[:nd]).view(nd, 1)
-            meta.decode_mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1).to(self.device)
+            mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)
+            meta.decode_mask = mask.to(self.device)
+            # Built once per step, not per layer: an additive mask in the cache's dtype.
+            bias = torch.zeros(mask.shape, dtype=self.kv_cache.spec.dtype)
+            meta.decode_bias = bias.masked_fill_(~mask, float("-inf")).to(self.device)
         sample_rows = [r for i, c in enumerate(ordered) if c.samples
                        for r in range(q_loc[i + 1] - c.num_logits, q_loc[i + 1])]
         inputs = {
@@ -114,7 +122,8 @@ class ModelRunner:
         self.kv_cache.swap_in(list(swap_in))
         ordered, inputs = self.prepare(chunks)
         t0 = time.perf_counter()
-        out = self.model(**inputs, use_cache=False)
+        with packed_gemms():
+            out = self.model(**inputs, use_cache=False)
         logits = out.logits[0].float()
         self.last_forward_s = time.perf_counter() - t0
         return [c for c in ordered if c.samples], logits

@@ -236,7 +236,9 @@ class KernelSession:
         return (f"{e.name} on {e.device.type} ({dtype}): {e.pool.num_blocks:,} blocks × {e.block_size} "
                 f"= {capacity:,} tokens of KV, {e.kv_cache.bytes_per_block:,} bytes per block, "
                 f"{format_bytes(e.kv_cache.nbytes)} KV memory, prefix caching "
-                f"{'on' if e.pool.enable_prefix_caching else 'off'}")
+                f"{'on' if e.pool.enable_prefix_caching else 'off'}"
+                + (f", GEMMs on packed weights (+{format_bytes(e.runner.packed.nbytes)})"
+                   if e.runner.packed.layers else ""))
 
     def chat(self, name: str) -> ChatSession:
         return self.chats.setdefault(name, ChatSession(name))

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 
 from jupyter_pagedkv import BeamSearchParams
 from jupyter_pagedkv import session as session_mod
-from jupyter_pagedkv.session import current, rss_bytes
+from jupyter_pagedkv.session import current, format_bytes, rss_bytes
 from jupyter_pagedkv.streaming import footer
 
 pytestmark = pytest.mark.slow
@@ -106,6 +106,7 @@ def test_load_summary_line_states_the_kv_geometry(ip):
     assert f"{engine.pool.num_blocks:,} blocks × 16 = {engine.pool.num_blocks * 16:,} tokens" in line
     assert f"{46080 * 16:,} bytes per block" in line
     assert "SmolLM2-135M-Instruct on cpu (float32)" in line
+    assert line.endswith(f"GEMMs on packed weights (+{format_bytes(engine.runner.packed.nbytes)})")
 
 
 def test_status_monitor_and_requests_show_the_pool(ip, capsys):
