@@ -122,7 +122,7 @@ class ModelRunner:
         self.kv_cache.swap_in(list(swap_in))
         ordered, inputs = self.prepare(chunks)
         t0 = time.perf_counter()
-        with packed_gemms():
+        with packed_gemms(self.packed):
             out = self.model(**inputs, use_cache=False)
         logits = out.logits[0].float()
         self.last_forward_s = time.perf_counter() - t0

@@ -47,14 +47,22 @@ def should_pack(device: torch.device, dtype: torch.dtype, requested: bool | None
 
 
 @contextmanager
-def packed_gemms() -> Iterator[None]:
-    """Let packed layers use their packed weights in this thread for the duration."""
+def packed_gemms(handle: PackedLinears | None = None) -> Iterator[None]:
+    """Let packed layers use their packed weights in this thread for the duration; the first
+    time with a `handle`, also record which layers share inputs so that they can be fused."""
     previous = getattr(_ACTIVE, "on", False)
+    record = handle is not None and handle.layers and not handle.learned
     _ACTIVE.on = True
+    if record:
+        _ACTIVE.recorder = []
     try:
         yield
+        if record:
+            handle.learn(_ACTIVE.recorder)
     finally:
         _ACTIVE.on = previous
+        if record:
+            _ACTIVE.recorder = None
 
 
 @dataclass(slots=True)
@@ -78,35 +86,133 @@ class _Packed:
                 and self.data_ptr == weight.data_ptr())
 
 
+class _Group:
+    """Sibling layers that read the same input tensor (q/k/v, gate/up): one GEMM on their
+    concatenated weights serves all of them. Learned from the first engine forward, checked on
+    every call: a member gets the shared result only for the very tensor object the first member
+    was called with (and unmodified, where torch tracks versions: see `_version`); any other
+    input it computes on its own, so a wrong grouping costs time, never results."""
+
+    __slots__ = ("members", "sources", "weight", "bias", "splits", "x", "x_version", "outs")
+
+    def __init__(self, members: list[nn.Linear]) -> None:
+        self.members = members
+        self.splits = [m.out_features for m in members]
+        self.sources: list[tuple[torch.Tensor, int, int]] = []
+        self.weight: torch.Tensor | None = None          # packed, all members' rows stacked
+        self.bias: torch.Tensor | None = None
+        self.x: torch.Tensor | None = None
+        self.x_version = -1
+        self.outs: list[torch.Tensor | None] = []
+
+    def _fresh(self) -> bool:
+        return self.weight is not None and all(
+            s is m.weight and v == m.weight._version and p == m.weight.data_ptr()
+            for m, (s, v, p) in zip(self.members, self.sources))
+
+    def _repack(self) -> None:
+        with torch.no_grad():
+            weight = torch.cat([m.weight.detach() for m in self.members])
+            biases = [m.bias for m in self.members]
+            self.bias = None if all(b is None for b in biases) else torch.cat(
+                [b.detach() if b is not None else weight.new_zeros(m.out_features)
+                 for m, b in zip(self.members, biases)])
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.sources = [(m.weight, m.weight._version, m.weight.data_ptr()) for m in self.members]
+
+    def lead(self, x: torch.Tensor) -> torch.Tensor:
+        """The first member's call: one GEMM for all, the others' columns kept for them."""
+        if not self._fresh():
+            self._repack()
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        parts = list(out.split(self.splits, dim=-1))
+        self.x, self.x_version, self.outs = x, _version(x), parts
+        return parts[0]
+
+    def take(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        """A later member's call: its columns if `x` is the leader's input, untouched since."""
+        if self.x is not x or self.x_version != _version(x) or self.outs[index] is None:
+            return None
+        out, self.outs[index] = self.outs[index], None
+        if all(o is None for o in self.outs[1:]):
+            self.x, self.outs = None, []          # drop the reference to the input at once
+        return out
+
+
+def _version(x: torch.Tensor) -> int:
+    """In-place version of `x`; tensors made under inference mode keep none (-1). Engine inputs are
+    such tensors, so there the identity of the input object is the check: a model would have to
+    modify its hidden state in place between two sibling projections to defeat it."""
+    return -1 if x.is_inference() else x._version
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     if (getattr(_ACTIVE, "on", False) and x.device.type == "cpu" and x.dtype == weight.dtype
             and not torch.is_grad_enabled()):
-        packed: _Packed = self._pagedkv_packed
-        if not packed.copies(weight):
+        x = x.contiguous()
+        recorder = getattr(_ACTIVE, "recorder", None)
+        if recorder is not None:
+            recorder.append((self, x))
+        group, index = self.__dict__.get("_pagedkv_group", (None, 0))
+        if group is not None:
+            if index == 0:
+                return group.lead(x)
+            out = group.take(index, x)
+            if out is not None:
+                return out
+        packed = self._pagedkv_packed
+        if packed is None or not packed.copies(weight):
             packed = self._pagedkv_packed = _Packed.of(weight)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.weight, self.bias,
-                                                  "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, self.bias, "none", [], "")
     return F.linear(x, weight, self.bias)
 
 
 @dataclass
 class PackedLinears:
-    """The layers of one model that run packed; `release()` restores them and frees the copies."""
+    """The layers of one model that run packed; `release()` restores them and frees the copies.
+
+    The first forward run under `packed_gemms(handle)` records which layers read the same input
+    tensor and fuses each such set into one `_Group` (then the members' own copies are dropped,
+    so memory stays one packed copy of the weights)."""
 
     layers: list[nn.Linear] = field(default_factory=list)
+    groups: list[_Group] = field(default_factory=list)
+    learned: bool = False
 
     @property
     def nbytes(self) -> int:
         """Memory held by the packed copies (the original weights stay where they were)."""
-        return sum(m._pagedkv_packed.weight.numel() * m._pagedkv_packed.weight.element_size()
-                   for m in self.layers if hasattr(m, "_pagedkv_packed"))
+        copies = [m._pagedkv_packed.weight for m in self.layers if m.__dict__.get("_pagedkv_packed")]
+        copies += [g.weight for g in self.groups if g.weight is not None]
+        return sum(c.numel() * c.element_size() for c in copies)
+
+    def learn(self, calls: list[tuple[nn.Linear, torch.Tensor]]) -> None:
+        """Group layers called with one and the same input tensor (in call order)."""
+        self.learned = True
+        by_input: dict[int, list[nn.Linear]] = {}
+        for module, x in calls:
+            members = by_input.setdefault(id(x), [])
+            if module not in members:
+                members.append(module)
+        for members in by_input.values():
+            if len(members) < 2 or any("_pagedkv_group" in m.__dict__ for m in members):
+                continue
+            if len({(m.weight.dtype, m.in_features) for m in members}) != 1:
+                continue
+            group = _Group(members)
+            group._repack()
+            for i, m in enumerate(members):
+                m._pagedkv_group = (group, i)
+                m._pagedkv_packed = None          # re-created only if it must compute alone
+            self.groups.append(group)
 
     def release(self) -> None:
         for m in self.layers:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop("_pagedkv_packed", None)
+            for name in ("forward", "_pagedkv_packed", "_pagedkv_group"):
+                m.__dict__.pop(name, None)
         self.layers.clear()
+        self.groups.clear()
 
 
 def pack_linears(model: nn.Module) -> PackedLinears:

@@ -101,7 +101,71 @@ def test_the_engine_packs_by_default_and_generates_what_hf_generates(make_engine
     engine = make_engine(model)
     assert engine.pack_weights and len(engine.runner.packed.layers) == 15
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    # Learned in the first step: per decoder layer q/k/v and gate/up are one GEMM each.
+    assert [len(g.members) for g in engine.runner.packed.groups] == [3, 2, 3, 2]
     for p, o, r in zip(prompts, outs, refs):
         assert_same_or_near_tie(model, p, o.token_ids, r)
     unpacked = make_engine(tiny_model("qwen3", seed=5), pack_weights=False)
     assert not unpacked.pack_weights and unpacked.runner.packed.layers == []
+
+
+class Siblings(nn.Module):
+    """Three projections of one input, as an attention block's q/k/v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.q, self.k, self.v = nn.Linear(64, 48), nn.Linear(64, 16, bias=False), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> list[torch.Tensor]:
+        return [self.q(x), self.k(x), self.v(x if y is None else y)]
+
+
+@torch.inference_mode()
+def stock(model: Siblings, x: torch.Tensor, y: torch.Tensor | None = None) -> list[torch.Tensor]:
+    return [torch.nn.functional.linear(i, m.weight, m.bias)
+            for m, i in ((model.q, x), (model.k, x), (model.v, x if y is None else y))]
+
+
+def test_layers_reading_one_input_are_learned_as_one_fused_gemm(monkeypatch):
+    model, x = Siblings(), torch.randn(1, 5, 64)
+    handle = pack_linears(model)
+    with torch.inference_mode():
+        with packed_gemms(handle):                   # the first forward records, then groups
+            first = model(x)
+        assert [g.members for g in handle.groups] == [[model.q, model.k, model.v]]
+        assert handle.nbytes == sum(m.weight.numel() * 4 for m in (model.q, model.k, model.v))
+        calls = []
+        real = torch.ops.mkldnn._linear_pointwise
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a) or real(*a))
+        x = torch.randn(1, 5, 64)
+        with packed_gemms(handle):
+            got = model(x)
+    assert len(calls) == 1                           # one GEMM served all three layers
+    for a, b in zip(got, stock(model, x)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_grouped_layer_called_with_another_input_computes_on_its_own():
+    model, x, y = Siblings(), torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    handle = pack_linears(model)
+    with torch.inference_mode():
+        with packed_gemms(handle):
+            model(x)                                 # learns q, k, v as one group
+        with packed_gemms(handle):
+            got = model(x, y)                        # v now reads a different tensor
+    for a, b in zip(got, stock(model, x, y)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_is_repacked_when_a_member_weight_changes():
+    model, x = Siblings(), torch.randn(1, 4, 64)
+    handle = pack_linears(model)
+    with torch.inference_mode(), packed_gemms(handle):
+        model(x)
+    with torch.no_grad():
+        model.k.weight.add_(1.0)
+    with torch.inference_mode(), packed_gemms(handle):
+        got = model(x)
+    for a, b in zip(got, stock(model, x)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
