@@ -25,6 +25,18 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         # CPU GEMMs on weights packed once (see packed_linear.py); only inside our forward.
         self.packed: PackedLinears = pack_linears(model) if pack_weights else PackedLinears()
+        if self.packed.layers:
+            self._learn_packing()
+
+    def _learn_packing(self) -> None:
+        """Run one token through the model now, so that learning which layers share an input (and
+        stacking their packed weights, ~0.3 s for the embedded model) is not paid by the first
+        request's TTFT. Our attention falls back to plain SDPA without paged metadata."""
+        try:
+            with torch.inference_mode(), packed_gemms(self.packed):
+                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
+        except Exception:    # a model that needs more than input_ids: it learns on its first step
+            self.packed.learned = False
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], dict]:
         """Order chunks decode-first and build the model inputs plus the shared PagedMetadata."""

@@ -132,7 +132,7 @@ def test_layers_reading_one_input_are_learned_as_one_fused_gemm(monkeypatch):
     handle = pack_linears(model)
     with torch.inference_mode():
         with packed_gemms(handle):                   # the first forward records, then groups
-            first = model(x)
+            model(x)
         assert [g.members for g in handle.groups] == [[model.q, model.k, model.v]]
         assert handle.nbytes == sum(m.weight.numel() * 4 for m in (model.q, model.k, model.v))
         calls = []
