@@ -40,30 +40,28 @@ def test_inside_engine_steps_the_packed_path_matches_to_fp32_rounding(monkeypatc
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def assert_engine_step_uses_current_weight(layer: nn.Linear, x: torch.Tensor) -> None:
+    with torch.inference_mode(), packed_gemms():
+        got = layer(x)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_weight_changed_in_place_is_repacked_before_its_next_use():
     layer, x = linear(), torch.randn(5, 96)
     pack_linears(layer)
     with torch.no_grad():
         layer.weight.mul_(-3.0)
-    with torch.inference_mode(), packed_gemms():
-        got = layer(x)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias),
-                               rtol=1e-5, atol=1e-5)
+    assert_engine_step_uses_current_weight(layer, x)
 
 
 def test_a_reassigned_weight_is_repacked_before_its_next_use():
     layer, x = linear(), torch.randn(5, 96)
     pack_linears(layer)
     layer.weight = nn.Parameter(torch.randn(160, 96))
-    with torch.inference_mode(), packed_gemms():
-        got = layer(x)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias),
-                               rtol=1e-5, atol=1e-5)
+    assert_engine_step_uses_current_weight(layer, x)
     layer.weight.data = torch.randn(160, 96)          # what module.to() does: same object, new storage
-    with torch.inference_mode(), packed_gemms():
-        got = layer(x)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias),
-                               rtol=1e-5, atol=1e-5)
+    assert_engine_step_uses_current_weight(layer, x)
 
 
 def test_with_grad_enabled_the_layer_stays_differentiable():
