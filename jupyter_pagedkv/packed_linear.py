@@ -3,14 +3,15 @@
 Why: on the CPU a decode step is GEMM-bound, and `torch.nn.functional.linear` hands MKL a
 plain row-major weight that it re-packs on every call. Re-laying each weight out once in
 oneDNN's blocked format (the path torch's own inductor uses, and vLLM's CPU build with its own
-copy of oneDNN) makes the same fp32 GEMMs ~1.5-1.9x faster at 8-64 rows on this machine
+copy of oneDNN) makes the same fp32 GEMMs 1.3-2.3x faster at 4-64 rows on a 2-core AVX2 CPU
 (`python -m jupyter_pagedkv.bench gemm`). Results differ from MKL's by fp32 reduction order only.
 
 How: each `nn.Linear` keeps its type, parameters and state dict; only its instance `forward` is
 replaced. The packed path runs while `packed_gemms()` is active in the calling thread (the
 ModelRunner's forward); anywhere else, e.g. a plain `model.generate` in a notebook cell, the
 layer computes exactly what stock transformers does. A weight changed in place or reassigned
-is re-packed on its next use, so a packed copy is never stale.
+is re-packed on its next use, so a packed copy is never stale. Layers found reading one and the
+same input (q/k/v, gate/up) share one GEMM on their stacked weights (`_Group`).
 """
 from __future__ import annotations
 
