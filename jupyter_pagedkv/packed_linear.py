@@ -111,9 +111,13 @@ class _Group:
             s is m.weight and v == m.weight._version and p == m.weight.data_ptr()
             for m, (s, v, p) in zip(self.members, self.sources))
 
-    def _repack(self) -> None:
+    def _repack(self, scratch: torch.Tensor | None = None) -> None:
+        """Stack the members' weights (into `scratch` when given: reusing one buffer for every
+        group spares the page faults of fresh memory, most of the cost of packing) and pack."""
         with torch.no_grad():
-            weight = torch.cat([m.weight.detach() for m in self.members])
+            rows = sum(self.splits)
+            out = None if scratch is None else scratch[:rows * self.members[0].in_features].view(rows, -1)
+            weight = torch.cat([m.weight.detach() for m in self.members], out=out)
             biases = [m.bias for m in self.members]
             self.bias = None if all(b is None for b in biases) else torch.cat(
                 [b.detach() if b is not None else weight.new_zeros(m.out_features)
@@ -153,8 +157,9 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             and not torch.is_grad_enabled()):
         x = x.contiguous()
         recorder = getattr(_ACTIVE, "recorder", None)
-        if recorder is not None:
+        if recorder is not None:          # the learning pass: stock GEMMs, packing comes after
             recorder.append((self, x))
+            return F.linear(x, weight, self.bias)
         group, index = self.__dict__.get("_pagedkv_group", (None, 0))
         if group is not None:
             if index == 0:
@@ -173,9 +178,9 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 class PackedLinears:
     """The layers of one model that run packed; `release()` restores them and frees the copies.
 
-    The first forward run under `packed_gemms(handle)` records which layers read the same input
-    tensor and fuses each such set into one `_Group` (then the members' own copies are dropped,
-    so memory stays one packed copy of the weights)."""
+    The first forward run under `packed_gemms(handle)` (stock GEMMs) records which layers read the
+    same input tensor; then each such set is packed once as one `_Group` and every other layer on
+    its own, so each weight is packed exactly once. A layer used before that packs itself lazily."""
 
     layers: list[nn.Linear] = field(default_factory=list)
     groups: list[_Group] = field(default_factory=list)
@@ -196,17 +201,21 @@ class PackedLinears:
             members = by_input.setdefault(id(x), [])
             if module not in members:
                 members.append(module)
-        for members in by_input.values():
-            if len(members) < 2 or any("_pagedkv_group" in m.__dict__ for m in members):
-                continue
-            if len({(m.weight.dtype, m.in_features) for m in members}) != 1:
-                continue
+        sets = [members for members in by_input.values()
+                if len(members) > 1 and not any("_pagedkv_group" in m.__dict__ for m in members)
+                and len({(m.weight.dtype, m.in_features) for m in members}) == 1]
+        size = max((sum(m.weight.numel() for m in members) for members in sets), default=0)
+        scratch = torch.empty(size, dtype=sets[0][0].weight.dtype) if sets else None
+        for members in sets:
             group = _Group(members)
-            group._repack()
+            group._repack(scratch)
             for i, m in enumerate(members):
                 m._pagedkv_group = (group, i)
                 m._pagedkv_packed = None          # re-created only if it must compute alone
             self.groups.append(group)
+        for m in self.layers:
+            if "_pagedkv_group" not in m.__dict__ and m._pagedkv_packed is None:
+                m._pagedkv_packed = _Packed.of(m.weight)
 
     def release(self) -> None:
         for m in self.layers:
@@ -217,7 +226,8 @@ class PackedLinears:
 
 
 def pack_linears(model: nn.Module) -> PackedLinears:
-    """Pack every CPU `nn.Linear` of `model` whose dtype oneDNN packs (fp32); others are left alone.
+    """Route every CPU `nn.Linear` of `model` whose dtype oneDNN packs (fp32) through the packed
+    path; others are left alone. The copies are made by the handle's learning pass (or lazily).
 
     Packing twice is harmless: a layer already packed is shared, not copied again.
     """
@@ -230,8 +240,8 @@ def pack_linears(model: nn.Module) -> PackedLinears:
         weight = module.weight
         if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.is_meta:
             continue
-        if "_pagedkv_packed" not in module.__dict__:
-            module._pagedkv_packed = _Packed.of(weight)
+        if "forward" not in module.__dict__:
+            module._pagedkv_packed = None
             module.forward = types.MethodType(_packed_forward, module)
         handle.layers.append(module)
     return handle

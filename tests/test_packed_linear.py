@@ -29,13 +29,14 @@ def test_inside_engine_steps_the_packed_path_matches_to_fp32_rounding(monkeypatc
     layer, x = linear(), torch.randn(1, 33, 96)
     expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
     handle = pack_linears(layer)
-    assert handle.layers == [layer] and handle.nbytes == layer.weight.numel() * 4
+    assert handle.layers == [layer]
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a) or real(*a))
     with torch.inference_mode(), packed_gemms():
         got = layer(x)
     assert len(calls) == 1 and calls[0][1] is layer._pagedkv_packed.weight
+    assert handle.nbytes == layer.weight.numel() * 4          # packed on first use
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -98,6 +99,8 @@ def test_the_engine_packs_by_default_and_generates_what_hf_generates(make_engine
     refs = [hf_greedy(model, p, 24, stop_at_eos=False) for p in prompts]
     engine = make_engine(model)
     assert engine.pack_weights and len(engine.runner.packed.layers) == 15
+    # Packed at start, each weight exactly once (the groups learned from a one-token forward).
+    assert engine.runner.packed.nbytes == sum(m.weight.numel() * 4 for m in engine.runner.packed.layers)
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     # Learned in the first step: per decoder layer q/k/v and gate/up are one GEMM each.
     assert [len(g.members) for g in engine.runner.packed.groups] == [3, 2, 3, 2]
