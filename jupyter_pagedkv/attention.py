@@ -54,6 +54,11 @@ class PagedMetadata:
     backend: str = "torch"
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as the 0 / -inf bias SDPA adds to the scores."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store key/value rows `[num_tokens, kv_heads, head_dim]` into their slots (-1 skips a row)."""
@@ -92,8 +97,7 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             lens = meta.seq_lens[:nd].to(torch.int64).view(nd, 1, 1, 1)
             visible = meta.decode_mask & (torch.arange(length, device=query.device).view(1, 1, 1, -1)
                                           > lens - 1 - sliding_window)
-            bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
-            bias.masked_fill_(~visible, float("-inf"))
+            bias = additive_mask(visible, query.dtype)
         # GQA folded: the query heads sharing a KV head become that head's query rows, so each
         # KV head is read once and no `enable_gqa` broadcast is needed (same sums, same order).
         q = query[:nd].view(nd, kvh, heads // kvh, d)

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk
+from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additive_mask
 from .kv_cache import KVCache
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
 from .scheduler import ScheduledChunk
@@ -102,8 +102,7 @@ class ModelRunner:
             mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)
             meta.decode_mask = mask.to(self.device)
             # Built once per step, not per layer: an additive mask in the cache's dtype.
-            bias = torch.zeros(mask.shape, dtype=self.kv_cache.spec.dtype)
-            meta.decode_bias = bias.masked_fill_(~mask, float("-inf")).to(self.device)
+            meta.decode_bias = additive_mask(mask, self.kv_cache.spec.dtype).to(self.device)
         sample_rows = [r for i, c in enumerate(ordered) if c.samples
                        for r in range(q_loc[i + 1] - c.num_logits, q_loc[i + 1])]
         inputs = {

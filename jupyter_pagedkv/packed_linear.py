@@ -67,24 +67,38 @@ def packed_gemms(handle: PackedLinears | None = None) -> Iterator[None]:
 
 
 @dataclass(slots=True)
-class _Packed:
-    """A packed copy of one layer's weight and what identifies the weight it copies: the object,
-    its in-place version counter and its storage (`.data` swapped by `module.to()` keeps both)."""
+class _Stamp:
+    """What identifies the weight a packed copy was made from: the object, its in-place version
+    counter and its storage (`.data` swapped by `module.to()` keeps the first two)."""
 
     source: torch.Tensor
     version: int
     data_ptr: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> _Stamp:
+        return cls(weight, weight._version, weight.data_ptr())
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        return (self.source is weight and self.version == weight._version
+                and self.data_ptr == weight.data_ptr())
+
+
+@dataclass(slots=True)
+class _Packed:
+    """A packed copy of one layer's weight and the stamp of the weight it copies."""
+
+    stamp: _Stamp
     weight: torch.Tensor
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> _Packed:
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        return cls(weight, weight._version, weight.data_ptr(), packed)
+        return cls(_Stamp.of(weight), packed)
 
     def copies(self, weight: torch.Tensor) -> bool:
-        return (self.source is weight and self.version == weight._version
-                and self.data_ptr == weight.data_ptr())
+        return self.stamp.matches(weight)
 
 
 class _Group:
@@ -94,12 +108,12 @@ class _Group:
     was called with (and unmodified, where torch tracks versions: see `_version`); any other
     input it computes on its own, so a wrong grouping costs time, never results."""
 
-    __slots__ = ("members", "sources", "weight", "bias", "splits", "x", "x_version", "outs")
+    __slots__ = ("members", "stamps", "weight", "bias", "splits", "x", "x_version", "outs")
 
     def __init__(self, members: list[nn.Linear]) -> None:
         self.members = members
         self.splits = [m.out_features for m in members]
-        self.sources: list[tuple[torch.Tensor, int, int]] = []
+        self.stamps: list[_Stamp] = []
         self.weight: torch.Tensor | None = None          # packed, all members' rows stacked
         self.bias: torch.Tensor | None = None
         self.x: torch.Tensor | None = None
@@ -108,8 +122,7 @@ class _Group:
 
     def _fresh(self) -> bool:
         return self.weight is not None and all(
-            s is m.weight and v == m.weight._version and p == m.weight.data_ptr()
-            for m, (s, v, p) in zip(self.members, self.sources))
+            stamp.matches(m.weight) for m, stamp in zip(self.members, self.stamps))
 
     def _repack(self, scratch: torch.Tensor | None = None) -> None:
         """Stack the members' weights (into `scratch` when given: reusing one buffer for every
@@ -123,7 +136,7 @@ class _Group:
                 [b.detach() if b is not None else weight.new_zeros(m.out_features)
                  for m, b in zip(self.members, biases)])
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.sources = [(m.weight, m.weight._version, m.weight.data_ptr()) for m in self.members]
+        self.stamps = [_Stamp.of(m.weight) for m in self.members]
 
     def lead(self, x: torch.Tensor) -> torch.Tensor:
         """The first member's call: one GEMM for all, the others' columns kept for them."""
