@@ -160,12 +160,16 @@ def test_gauges_move_and_kv_events_match_usage(client):
     assert after.num_generated_tokens - before.num_generated_tokens == 16 * 32
     assert after.prefix_cache_queries - before.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in outs)
     assert after.num_finished - before.num_finished == 16 and after.num_running == 0
-    # While all 16 were running, the blocks the events published are the full blocks in use;
-    # /metrics counts the partly filled last block of each request too: within one per request.
+    # While all 16 were running, the events had published only full blocks in use: never more
+    # than /metrics counts (which includes each request's partly filled last block). How far
+    # the events trail is up to the server's publisher thread, which a busy 2-core machine can
+    # starve for seconds (CI saw 10 published against 32 in use for 3.5 s), so the exact count
+    # is checked once the stream is quiet, below; here only that they arrived during the run.
     running = [s for s in samples if s[5] == 16 and s[3] == 16]
     assert running, "no sample caught all 16 requests running"
     for used, e1, e2, n, _, _, _ in running:
-        assert min(abs(used - e1), abs(used - e2)) <= n, (used, e1, e2, n)
+        assert e1 <= used, (used, e1, e2, n)
+    assert max(s[2] for s in samples) > 0, "no KV event arrived while the requests ran"
     # Afterwards: every full block (prompt + output, less the last token whose KV is never
     # computed) was published once; the prompts share no full block.
     expected = sum((len(o.prompt_token_ids) + 32 - 1) // 32 for o in outs)
