@@ -5,14 +5,17 @@ first), preempting the lowest-priority (then newest) running sequence when a blo
 had — by swap when a SwapSpace has room, else by recompute — then swaps sequences back in, and
 only when none waits in swap admits waiting sequences in arrival order while the token budget,
 the sequence cap and free blocks (above a small watermark) allow. Prefix-cache hits are taken at
-admission.
+admission, both from the cache and from full blocks that chunks scheduled earlier in the same
+step will compute: requests that arrive together with a common prefix (a chat template's system
+prompt) compute it once. That is sound because every layer writes the whole step's K/V before it
+attends, so a block computed by one chunk is in the cache when another chunk of the step reads it.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool, NoFreeBlocksError
+from .block_pool import Block, BlockPool, NoFreeBlocksError
 from .contiguous import ContiguousArena
 from .sequence import Sequence, SequenceStatus
 from .swap_space import SwapSpace
@@ -89,6 +92,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        # Full blocks this step's chunks will compute, by hash: hits for later admissions.
+        self._pending: dict[int, Block] = {}
+        self._pending_keys: dict[int, tuple] = {}
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -129,6 +135,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._pending.clear()
+        self._pending_keys.clear()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -138,7 +146,7 @@ class Scheduler:
                 i += 1
                 continue
             if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                self._append(out, ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
                 i += 1
             # else: seq itself was preempted and removed from `running`; index i now holds the next.
@@ -153,7 +161,7 @@ class Scheduler:
             if chunk is None:
                 break
             if chunk.num_tokens:
-                out.chunks.append(chunk)
+                self._append(out, chunk)
             budget -= chunk.num_tokens
         if self.swapped:
             return out   # swapped sequences come back before anything new is admitted
@@ -166,9 +174,26 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.chunks.append(chunk)
+            self._append(out, chunk)
             budget -= chunk.num_tokens
         return out
+
+    def _append(self, out: SchedulerOutput, chunk: ScheduledChunk) -> None:
+        """Schedule `chunk` and offer the full blocks it completes to later admissions."""
+        out.chunks.append(chunk)
+        if not self.pool.enable_prefix_caching or self.arena is not None:
+            return
+        seq, bs = chunk.seq, self.pool.block_size
+        first, end = chunk.start // bs, (chunk.start + chunk.num_tokens) // bs
+        if end <= first:
+            return
+        hashes = seq.hashes_upto(end)
+        for i in range(first, end):
+            block = seq.block_table.blocks[i]
+            if block.block_hash is None and hashes[i] not in self._pending:
+                self._pending[hashes[i]] = block
+                self._pending_keys[hashes[i]] = (hashes[i - 1] if i else None,
+                                                 tuple(seq.token_ids[i * bs:(i + 1) * bs]), seq.extra_key)
 
     def _grow_or_preempt(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
         """Give `seq` slots up to `num_slots`, preempting newer sequences; False if `seq` itself went."""
@@ -270,7 +295,8 @@ class Scheduler:
         return ScheduledChunk(seq, start, n)
 
     def _cached_prefix(self, seq: Sequence) -> list:
-        """Cached blocks matching the sequence's leading full blocks; the last token is never a hit."""
+        """Cached blocks matching the sequence's leading full blocks, or blocks that this step
+        computes for an earlier chunk; the last token is never a hit."""
         pool = self.pool
         if not pool.enable_prefix_caching:
             return []
@@ -279,7 +305,10 @@ class Scheduler:
         hits = []
         parent = None
         for i, h in enumerate(seq.hashes_upto(max_blocks)):
-            block = pool.lookup(h, parent, seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key)
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            block = pool.lookup(h, parent, tokens, seq.extra_key)
+            if block is None and self._pending_keys.get(h) == (parent, tuple(tokens), seq.extra_key):
+                block = self._pending[h]   # computed earlier in this very step
             if block is None:
                 break
             hits.append(block)

@@ -83,6 +83,33 @@ def test_identical_with_prefix_caching_on_and_off(prefix_caching, make_engine):
     assert (hits >= 5 * 40 // 8 * 8) if prefix_caching else hits == 0
 
 
+@pytest.mark.parametrize("budget", [2048, 24])
+def test_requests_arriving_together_compute_a_shared_prefix_once(budget, make_engine):
+    """The shared prefix's full blocks are computed by the first request's chunk; the others
+    adopt them in the same step (every layer writes the step's K/V before it attends) and still
+    generate exactly what transformers generates. With a budget smaller than the prompt, only the
+    blocks the leading chunk completes are shared."""
+    model = tiny_model("llama")
+    shared = random_prompts(1, 256, seed=3, lo=40, hi=41)[0]
+    prompts = [shared + tail for tail in random_prompts(6, 256, seed=4, lo=1, hi=20)]
+    refs = [hf_greedy(model, p, 32, stop_at_eos=False) for p in prompts]
+    engine = make_engine(model, block_size=8, max_num_batched_tokens=budget)
+    engine.trace = []
+    outs = engine.generate(prompts, GREEDY)
+    check(model, prompts, refs, outs)
+    cached = [o.num_cached_tokens for o in outs]
+    first_step = engine.trace[0]
+    if budget >= sum(map(len, prompts)):
+        # All six prefill in step one; five of them skip the prefix's five full blocks.
+        assert cached == [0] + [40] * 5
+        assert sum(n for _, _, _, n, _ in first_step.chunks) == sum(map(len, prompts)) - 5 * 40
+    else:
+        # Step one holds 24 tokens of the first prompt: three full blocks the next ones can adopt.
+        assert first_step.chunks[0][2:4] == (0, 24)
+        assert cached[0] == 0 and all(c >= 24 for c in cached[1:])
+    assert engine.stats().prefix_cache_hits == sum(cached)
+
+
 def test_stop_at_eos_like_hf(make_engine):
     model = tiny_model("llama", seed=3)
     prompts = random_prompts(6, 256, seed=11)
