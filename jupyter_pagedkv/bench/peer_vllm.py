@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     sampling = [params(int(r["max_tokens"])) for r in reqs]
     runs = []
     for _ in range(args.repeats):
+        # Every system starts each timed run cold: our engine and transformers' manager are new
+        # per round, so the blocks of the warm-up and of the previous repeat must not hit here.
+        if not llm.reset_prefix_cache():
+            raise SystemExit("vLLM could not reset its prefix cache; the repeats would not start cold")
         t1 = time.perf_counter()
         results = llm.generate(prompts, sampling, use_tqdm=False)
         runs.append(time.perf_counter() - t1)
