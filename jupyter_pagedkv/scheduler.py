@@ -92,9 +92,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_preemptions = 0
         self.num_swap_outs = 0
-        # Full blocks this step's chunks will compute, by hash: hits for later admissions.
-        self._pending: dict[int, Block] = {}
-        self._pending_keys: dict[int, tuple] = {}
+        # Full blocks this step's chunks will compute: hash -> (block, (parent hash, token ids,
+        # extra key)), the same identity BlockPool.lookup checks; hits for later admissions.
+        self._pending: dict[int, tuple[Block, tuple]] = {}
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -136,7 +136,6 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self._pending.clear()
-        self._pending_keys.clear()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -191,9 +190,8 @@ class Scheduler:
         for i in range(first, end):
             block = seq.block_table.blocks[i]
             if block.block_hash is None and hashes[i] not in self._pending:
-                self._pending[hashes[i]] = block
-                self._pending_keys[hashes[i]] = (hashes[i - 1] if i else None,
-                                                 tuple(seq.token_ids[i * bs:(i + 1) * bs]), seq.extra_key)
+                key = (hashes[i - 1] if i else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]), seq.extra_key)
+                self._pending[hashes[i]] = (block, key)
 
     def _grow_or_preempt(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
         """Give `seq` slots up to `num_slots`, preempting newer sequences; False if `seq` itself went."""
@@ -307,8 +305,10 @@ class Scheduler:
         for i, h in enumerate(seq.hashes_upto(max_blocks)):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             block = pool.lookup(h, parent, tokens, seq.extra_key)
-            if block is None and self._pending_keys.get(h) == (parent, tuple(tokens), seq.extra_key):
-                block = self._pending[h]   # computed earlier in this very step
+            if block is None and h in self._pending:
+                pending, key = self._pending[h]
+                if key == (parent, tuple(tokens), seq.extra_key):
+                    block = pending   # an earlier chunk of this very step computes it
             if block is None:
                 break
             hits.append(block)
