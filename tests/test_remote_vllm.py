@@ -20,7 +20,12 @@ from jupyter_pagedkv.remote_monitor import RemoteMonitorFeed
 from jupyter_pagedkv.sampling_params import SamplingParams
 from jupyter_pagedkv.session import KernelSession
 
-pytestmark = pytest.mark.slow
+# The condition is declared, not buried in a fixture: `make test` builds the peer venv before
+# pytest starts (`make bench-peers`), so these run whenever that build succeeded.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(peer_python() is None,
+                                 reason="no peer venv (.venv-peers/.ok): `make bench-peers` could not build "
+                                        "vLLM's CPU build here; run it to enable the server tests")]
 
 TOPICS = ["Apples", "Bicycles", "Clouds", "Deserts", "Engines", "Forests", "Glaciers", "Harbors",
           "Islands", "Jungles", "Kites", "Lighthouses", "Mountains", "Nebulae", "Oceans", "Pyramids"]
@@ -31,19 +36,10 @@ QUESTIONS = ["What is the capital of France?", "Give me two tips for learning to
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
 
 
-def require_peers():
-    py = peer_python()
-    if py is None:
-        pytest.skip("no peer venv (.venv-peers/.ok): `make bench-peers` could not build vLLM's CPU "
-                    "build here; run it to enable the server tests")
-    return py
-
-
 @pytest.fixture(scope="module")
 def local_greedy(embedded):
     """The local engine's greedy chat outputs, computed before the server starts: vLLM's CPU
     worker keeps its core busy, and two compute-bound processes on two cores slow both badly."""
-    require_peers()
     model, tokenizer = embedded
     local = Engine(model, tokenizer, kv_cache_memory="64MiB")
     # One thread, as vLLM's CPU worker here: on an oversubscribed machine two OpenMP threads ran
@@ -60,7 +56,7 @@ def local_greedy(embedded):
 
 @pytest.fixture(scope="module")
 def server(local_greedy):
-    py = require_peers()
+    py = peer_python()
     from jupyter_pagedkv.loader import embedded_model_dir
     cfg = ServerConfig(str(embedded_model_dir()), port=free_port(), kv_events_port=free_port())
     log = os.path.join(tempfile.gettempdir(), f"pagedkv-vllm-{cfg.port}.log")
