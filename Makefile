@@ -9,6 +9,8 @@ TORCH := torch==2.13.0
 
 # `make bench-peers`: vLLM's CPU build in its own venv, for the throughput benchmark.
 include mk/peers.mk
+# `make gpu-check` (on a lent GPU) and `make gpu-rehearsal` (its CPU rehearsal).
+include mk/gpu.mk
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +45,7 @@ ifeq ($(PEERS),1)
 	-$(MAKE) --no-print-directory bench-peers
 endif
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory gpu-rehearsal
 
 bench: $(VENV)/.base
 	$(BIN)/python -m jupyter_pagedkv.bench throughput

@@ -30,6 +30,7 @@ from .sampler import Sampler
 from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, StepRecord
 from .sequence import Sequence, SequenceStatus
+from .step_timing import StepTiming
 
 Prompt = str | list[int]
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -119,6 +120,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, swap=self.swap,
                                    arena=arena, max_model_len=self.max_model_len)
         self.trace: list[StepRecord] | None = None   # set to [] to record every step's schedule
+        self.step_timings: list[StepTiming] | None = None   # set to [] to time every step's phases
         from .kernels_bridge import resolve_backend
         backend = resolve_backend(self.device, None if attention_backend == "auto" else attention_backend)
         from .packed_linear import should_pack
@@ -323,6 +325,7 @@ class Engine:
                 return []
             record = sched.record() if self.trace is not None else None
             drafts: dict = {}
+            self.runner.clock.enabled = self.step_timings is not None
             try:
                 drafts = self.speculator.propose(sched)
                 sampling, logits = self.runner.execute(sched.chunks, sched.copies,
@@ -331,6 +334,9 @@ class Engine:
                 self.speculator.discard(drafts)
                 self._fail_all(err)
                 raise
+            t_launched = time.perf_counter()
+            if self.step_timings is not None and self.runner.clock.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
             now = time.perf_counter()
             self.speculator.observe(sched, drafts, self.runner.last_forward_s)
             verified = []
@@ -382,6 +388,13 @@ class Engine:
             self.step_time_s += t1 - t0
             if record is not None:
                 self.trace.append(dataclasses.replace(record, duration_s=t1 - t0))
+            if self.step_timings is not None:
+                runner = self.runner
+                launched = t_launched - runner.last_forward_s - runner.last_prepare_s
+                self.step_timings.append(StepTiming(
+                    len(sched.chunks), sched.num_tokens, sum(c.num_tokens == 1 for c in sched.chunks),
+                    launched - t0, runner.last_prepare_s, runner.last_forward_s,
+                    runner.clock.device_seconds(), now - t_launched, t1 - now, t1 - t0))
             for listener in self._step_listeners:
                 listener()
             return outputs

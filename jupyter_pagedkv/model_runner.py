@@ -9,6 +9,7 @@ from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additiv
 from .kv_cache import KVCache
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
 from .scheduler import ScheduledChunk
+from .step_timing import ForwardClock
 
 
 class ModelRunner:
@@ -21,7 +22,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.backend = backend
-        self.last_forward_s = 0.0
+        self.last_forward_s = 0.0      # host wall time of the last model call
+        self.last_prepare_s = 0.0      # block copies, swaps and input building before it
+        self.clock = ForwardClock(device)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         # CPU GEMMs on weights packed once (see packed_linear.py); only inside our forward.
         self.packed: PackedLinears = pack_linears(model) if pack_weights else PackedLinears()
@@ -122,6 +125,7 @@ class ModelRunner:
         if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             # Someone (a test, a peer benchmark) switched the model back to another attention.
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        t_prep = time.perf_counter()
         # Order matters: swapped-out blocks are read before anything reuses them, then
         # copy-on-write, then swapped-in blocks land in their fresh blocks.
         self.kv_cache.swap_out(list(swap_out))
@@ -133,8 +137,11 @@ class ModelRunner:
         self.kv_cache.swap_in(list(swap_in))
         ordered, inputs = self.prepare(chunks)
         t0 = time.perf_counter()
+        self.last_prepare_s = t0 - t_prep
+        self.clock.start()
         with packed_gemms(self.packed):
             out = self.model(**inputs, use_cache=False)
         logits = out.logits[0].float()
+        self.clock.stop()
         self.last_forward_s = time.perf_counter() - t0
         return [c for c in ordered if c.samples], logits

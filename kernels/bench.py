@@ -104,14 +104,15 @@ def _header(device: torch.device) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def measure(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; returns its facts as plain data (what `main` prints, and what the GPU
+    check puts in its report): header lines, copy bandwidth, one dict per batch x context."""
     args = _parse(sys.argv[1:] if argv is None else argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         if not args.smoke:
-            print("bench kernels: no CUDA device; the full benchmark needs a GPU "
-                  "(use --smoke to exercise it on the CPU through Triton's interpreter)")
-            return 2
+            raise SystemExit("bench kernels: no CUDA device; the full benchmark needs a GPU "
+                             "(use --smoke to exercise it on the CPU through Triton's interpreter)")
         os.environ.setdefault("TRITON_INTERPRET", "1")    # read when kernel modules load
     if args.smoke:
         args.heads, args.kv_heads, args.head_dim = min(args.heads, 4), min(args.kv_heads, 2), 64
@@ -119,45 +120,75 @@ def main(argv: list[str] | None = None) -> int:
     contexts = args.contexts or ((40, 100) if args.smoke else FULL_CONTEXTS)
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
-
-    for line in _header(device):
-        print(line)
     copy_bytes = (1 << 20) if args.smoke else (2 << 30)
-    copy_bw = copy_bandwidth(device, copy_bytes, args.smoke)
-    print(f"copy bandwidth (read + write, {copy_bytes >> 20} MiB buffer): {copy_bw / 1e9:.1f} GB/s")
-    print(f"decode: heads {args.heads}, kv_heads {args.kv_heads}, head_dim {args.head_dim}, "
-          f"block_size {args.block_size}, {args.dtype}; one query token per sequence")
-    cols = ("batch", "context", "splits", "paged_ms", "paged_GB/s", "of_copy", "sdpa_ms",
-            "paged/sdpa", "max_diff")
-    print(" ".join(f"{c:>10}" for c in cols))
+    result = {"header": _header(device), "device": device.type, "copy_buffer_mib": copy_bytes >> 20,
+              "copy_bandwidth_gbs": copy_bandwidth(device, copy_bytes, args.smoke) / 1e9,
+              "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                        "block_size": args.block_size, "dtype": args.dtype},
+              "rows": []}
     scale = args.head_dim ** -0.5
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
         for context in contexts:
+            row = {"batch": batch, "context": context}
             need = _case_bytes(batch, context, args, elem)
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                if need > args.memory_fraction * free:
-                    print(f"{batch:>10} {context:>10}  skipped: needs {need / 2**30:.1f} GiB, "
-                          f"{free / 2**30:.1f} GiB free")
-                    continue
-            try:
-                row = _run_case(batch, context, args, dtype, elem, device, gen, scale, copy_bw)
-            except torch.OutOfMemoryError:
-                row = f"{batch:>10} {context:>10}  skipped: out of memory"
-            print(row)
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+            if free is not None and need > args.memory_fraction * free:
+                row["skipped"] = f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+            else:
+                try:
+                    row.update(_run_case(batch, context, args, dtype, device, gen, scale,
+                                         result["copy_bandwidth_gbs"] * 1e9))
+                except torch.OutOfMemoryError:
+                    row["skipped"] = "out of memory"
+            result["rows"].append(row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if device.type == "cuda":
+    return result
+
+
+COLUMNS = ("batch", "context", "splits", "paged_ms", "paged_gbs", "of_copy", "sdpa_ms", "paged_over_sdpa",
+           "max_diff")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        result = measure(argv)
+    except SystemExit as stop:
+        print(stop)
+        return 2
+    for line in result["header"]:
+        print(line)
+    print(f"copy bandwidth (read + write, {result['copy_buffer_mib']} MiB buffer): "
+          f"{result['copy_bandwidth_gbs']:.1f} GB/s")
+    shape = result["shape"]
+    print(f"decode: heads {shape['heads']}, kv_heads {shape['kv_heads']}, head_dim {shape['head_dim']}, "
+          f"block_size {shape['block_size']}, {shape['dtype']}; one query token per sequence")
+    print(" ".join(f"{c:>10}" for c in ("batch", "context", "splits", "paged_ms", "paged_GB/s",
+                                         "of_copy", "sdpa_ms", "paged/sdpa", "max_diff")))
+    for row in result["rows"]:
+        head = f"{row['batch']:>10} {row['context']:>10}"
+        if "skipped" in row:
+            print(f"{head}  skipped: {row['skipped']}")
+            continue
+        line = (f"{head} {row['splits']:>10} {row['paged_ms']:>10.4f} {row['paged_gbs']:>10.1f} "
+                f"{row['of_copy']:>10.1%}")
+        if "sdpa_ms" in row:
+            line += f" {row['sdpa_ms']:>10.4f} {row['paged_over_sdpa']:>10.2f} {row['max_diff']:>10.2e}"
+        else:
+            line += "   sdpa: out of memory"
+        print(line)
+    if result["device"] == "cuda":
         print("targets (H200): of_copy >= 80% at batch >= 64 and context >= 2048; paged/sdpa <= 1.15")
     return 0
 
 
-def _run_case(batch, context, args, dtype, elem, device, gen, scale, copy_bw) -> str:
-    """Time one batch x context; returns its table row."""
+def _run_case(batch, context, args, dtype, device, gen, scale, copy_bw) -> dict:
+    """Time one batch x context; returns its row."""
     from .paged_attention import launch_config, paged_attention
     from .reference import contiguous_attention
 
+    elem = torch.empty((), dtype=dtype).element_size()
     q, kc, vc, bt, sl, qsl, kd, vd = _make_case(batch, context, args, dtype, device, gen)
     splits = launch_config(batch, batch, args.heads, args.kv_heads, elem, context,
                            device)[3]
@@ -175,14 +206,13 @@ def _run_case(batch, context, args, dtype, elem, device, gen, scale, copy_bw) ->
     paged_ms = _median_ms(paged, device, args.smoke)
     kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * elem
     bw = kv_bytes / (paged_ms * 1e-3)
-    row = (f"{batch:>10} {context:>10} {splits:>10} {paged_ms:>10.4f} {bw / 1e9:>10.1f} "
-           f"{bw / copy_bw:>10.1%}")
+    row = {"splits": splits, "paged_ms": paged_ms, "paged_gbs": bw / 1e9, "of_copy": bw / copy_bw}
     try:
         diff = (out.float() - contiguous().squeeze(2).float()).abs().max().item()
         sdpa_ms = _median_ms(contiguous, device, args.smoke)
     except torch.OutOfMemoryError:          # e.g. a backend that expands the KV heads
-        return row + "   sdpa: out of memory"
-    return row + f" {sdpa_ms:>10.4f} {paged_ms / sdpa_ms:>10.2f} {diff:>10.2e}"
+        return row
+    return {**row, "sdpa_ms": sdpa_ms, "paged_over_sdpa": paged_ms / sdpa_ms, "max_diff": diff}
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ import torch
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import SamplingParams
+from jupyter_pagedkv.bench.models import random_prompts
 
 ARCHS = ["llama", "qwen3", "mistral", "phi3"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-# Where a GPU exists the engine runs there too, on both attention backends (kernels/gpu_check.sh).
+# Where a GPU exists the engine runs there too, on both attention backends (`make gpu-check`).
 BACKENDS = [("cpu", "torch")] + ([("cuda", "triton"), ("cuda", "torch")] if torch.cuda.is_available() else [])
 
 
@@ -26,12 +27,6 @@ def engine_on(make_engine, model, backend, **kwargs):
     if device != "cpu":
         model = copy.deepcopy(model).to(device)
     return make_engine(model, attention_backend=attention, **kwargs)
-
-
-def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 60) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
-    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

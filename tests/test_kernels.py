@@ -3,7 +3,7 @@
 On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1), switched
 on by the `kernels` fixture only while this module runs, with the kernel modules loaded fresh and
 dropped again afterwards, so no other test module sees interpreted kernels or the variable.
-`PAGEDKV_KERNEL_TEST_DEVICE=cuda` runs the same tests natively on a GPU (kernels/gpu_check.sh).
+`PAGEDKV_KERNEL_TEST_DEVICE=cuda` runs the same tests natively on a GPU (`make gpu-check`).
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from .hf_peers import hf_continuous, hf_padded, hf_single
 from .workload import chat_requests
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,53 +44,15 @@ def run_ours(model, tokenizer, prompts, limits, step_log: list) -> list[list[int
 
 
 def run_hf_single(model, prompts, limits) -> list[list[int]]:
-    outs = []
-    for p, m in zip(prompts, limits):
-        ids = torch.tensor([p])
-        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, do_sample=False,
-                           eos_token_id=[], pad_token_id=2, temperature=None, top_p=None, top_k=None)
-        outs.append(g[0, len(p):].tolist())
-    return outs
+    return hf_single(model, prompts, limits, pad_id=2)
 
 
 def run_hf_padded(model, prompts, limits, batch: int = 8) -> list[list[int]]:
-    outs = []
-    for s in range(0, len(prompts), batch):
-        group, lim = prompts[s:s + batch], limits[s:s + batch]
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[2] * (width - len(p)) + p for p in group])          # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        g = model.generate(ids, attention_mask=mask, max_new_tokens=max(lim), do_sample=False,
-                           eos_token_id=[], pad_token_id=2, temperature=None, top_p=None, top_k=None)
-        # A padded batch runs until its longest request is done; only each request's own tokens count.
-        outs.extend(g[i, width:width + m].tolist() for i, m in enumerate(lim))
-    return outs
+    return hf_padded(model, prompts, limits, batch=batch, pad_id=2)
 
 
 def run_hf_continuous(model, prompts, limits) -> list[list[int]]:
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(limits), eos_token_id=[], pad_token_id=2)
-    # Sized explicitly: its automatic sizing takes 60% of RAM.
-    cb = ContinuousBatchingConfig(page_size=16, num_blocks=2048, max_batch_tokens=2048,
-                                  max_memory_percent=None)
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-    manager.start()
-    try:
-        ids = [manager.add_request(p, max_new_tokens=m, eos_token_id=[]) for p, m in zip(prompts, limits)]
-        results = {}
-        while len(results) < len(ids):
-            r = manager.get_result(timeout=600)
-            if r is None:
-                raise RuntimeError("transformers continuous batching returned no result in 600 s")
-            if r.is_finished():
-                results[r.request_id] = r.generated_tokens
-    finally:
-        manager.stop(block=True)
-        if hasattr(model, "destroy_cached_continuous_batching_manager"):
-            model.destroy_cached_continuous_batching_manager()
-    return [results[i] for i in ids]
+    return hf_continuous(model, prompts, limits, num_blocks=2048, max_batch_tokens=2048, pad_id=2)
 
 
 def run_vllm(model_dir: Path, prompts, limits, repeats: int) -> dict | None:

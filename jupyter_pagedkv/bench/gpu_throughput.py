@@ -1,0 +1,173 @@
+"""End-to-end throughput parts of the GPU check: our engine against transformers' continuous
+batching and padded `generate`, the same requests on the same device, bf16, random weights,
+EOS ignored (speed does not depend on the weights' values).
+
+Also measured here, from our own run: where a step's time goes (host scheduling, input
+preparation, kernel launches, the forward's device time by CUDA events, sampling), and whether
+the KV cache sized from free memory survives full load without running out of memory.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+from .gpu_parts import Report, device
+from .hf_peers import hf_continuous, hf_padded
+from .models import shaped_model
+
+SYSTEMS = ("jupyter-pagedkv", "HF continuous batching", "HF generate, one padded batch")
+
+
+def workload(n: int, vocab: int, smoke: bool, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """`n` requests of mixed prompt and output lengths (seeded): chat-like prompts and answers."""
+    rng = random.Random(seed)
+    p_lo, p_hi, o_lo, o_hi = (4, 24, 2, 8) if smoke else (32, 512, 32, 256)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(p_lo, p_hi))] for _ in range(n)]
+    return prompts, [rng.randint(o_lo, o_hi) for _ in range(n)]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_ours(model, prompts, limits, *, backend: str, budget_tokens: int, timings: list | None) -> tuple[list, dict]:
+    """Our engine with its KV cache sized from free memory (the default on CUDA)."""
+    from jupyter_pagedkv import Engine, SamplingParams
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    engine = Engine(model, attention_backend=backend, max_num_seqs=max(len(prompts), 1),
+                    max_num_batched_tokens=budget_tokens, pack_weights=False,
+                    **({} if torch.cuda.is_available() else {"kv_cache_memory": "256MiB"}))
+    try:
+        engine.step_timings = timings
+        outs = engine.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                                         for m in limits])
+        engine.check_invariants()
+        facts = {"num_blocks": engine.pool.num_blocks, "block_size": engine.block_size,
+                 "kv_gib": round(engine.kv_cache.nbytes / 2**30, 2),
+                 "max_running": max((t.num_seqs for t in timings), default=None) if timings else None,
+                 "preemptions": engine.stats().num_preemptions}
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            facts.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                         device_total_gib=round(total / 2**30, 2), free_at_end_gib=round(free / 2**30, 2))
+    finally:
+        engine.shutdown()
+        _empty()
+    return [o.token_ids for o in outs], facts
+
+
+def run_hf_continuous(model, prompts, limits) -> list[list[int]]:
+    need = sum(-(-(len(p) + m) // 16) for p, m in zip(prompts, limits))
+    out = hf_continuous(model, prompts, limits, num_blocks=need + 64,
+                        max_batch_tokens=2048 if torch.cuda.is_available() else 512, timeout_s=300)
+    _empty()
+    return out
+
+
+def run_hf_padded(model, prompts, limits) -> list[list[int]]:
+    """Static batching: every request in one left-padded batch until the longest is done."""
+    out = hf_padded(model, prompts, limits)
+    _empty()
+    return out
+
+
+def _empty() -> None:
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def throughput(report: Report, smoke: bool, shape: str) -> None:
+    dev = device()
+    on_gpu = dev.type == "cuda"
+    backend = "triton"          # the engine's GPU path; on a CPU rehearsal, Triton's interpreter
+    layers = 1 if smoke else None
+    dtype = torch.bfloat16
+    model = shaped_model(shape, dtype, dev, num_layers=layers)
+    vocab = model.config.vocab_size
+    concurrency = (4, 8) if smoke else (64, 256)
+    budget = 8192 if on_gpu else 512
+    report.line(f"{shape} shape{f', {layers} layer' if layers else ''}, random weights, bf16, greedy, EOS "
+                f"ignored; {dev.type}; attention backend {backend}; token budget per step {budget}")
+    report.line("")
+    report.line("| requests | system | tokens | seconds | tokens/s | ours / system |")
+    report.line("|---:|---|---:|---:|---:|---:|")
+    ok = True
+    rows, breakdowns, kv = [], {}, {}
+    with torch.inference_mode():
+        # Warm-up: compiles kernels and fills caches on a small run of every system.
+        wp, wl = workload(2, vocab, True, seed=99)
+        run_ours(model, wp, wl, backend=backend, budget_tokens=budget, timings=None)
+        run_hf_continuous(model, wp, wl)
+        run_hf_padded(model, wp, wl)
+        for n in concurrency:
+            prompts, limits = workload(n, vocab, smoke, seed=n)
+            tokens = sum(limits)
+            outputs, seconds = {}, {}
+            for name in SYSTEMS:
+                _sync()
+                t0 = time.perf_counter()
+                try:
+                    if name == SYSTEMS[0]:
+                        timings: list = []
+                        outputs[name], kv[n] = run_ours(model, prompts, limits, backend=backend,
+                                                        budget_tokens=budget, timings=timings)
+                    elif name == SYSTEMS[1]:
+                        outputs[name] = run_hf_continuous(model, prompts, limits)
+                    else:
+                        outputs[name] = run_hf_padded(model, prompts, limits)
+                except Exception as err:   # a peer failing is a finding; ours failing fails the part
+                    report.line(f"| {n} | {name} | failed: {type(err).__name__}: {str(err)[:200]} | | | |")
+                    ok &= name != SYSTEMS[0]
+                    _empty()
+                    continue
+                _sync()
+                seconds[name] = time.perf_counter() - t0
+                produced = sum(len(o) for o in outputs[name])
+                ok &= produced == tokens or name != SYSTEMS[0]
+                ours_s = seconds.get(SYSTEMS[0])
+                ratio = f"{seconds[name] / ours_s:.2f}x" if ours_s else "-"
+                rows.append({"requests": n, "system": name, "tokens": produced, "seconds": seconds[name],
+                             "tokens_per_s": produced / seconds[name]})
+                report.put("rows", rows)
+                report.line(f"| {n} | {name} | {produced} | {seconds[name]:.2f} | "
+                            f"{produced / seconds[name]:.0f} | {ratio} |")
+            from jupyter_pagedkv.step_timing import summarize
+            breakdowns[n] = summarize(timings, min_decode=max(1, n // 2)) if SYSTEMS[0] in outputs else {}
+            agree = {name: sum(a == b for a, b in zip(outputs[SYSTEMS[0]], outs))
+                     for name, outs in outputs.items() if name != SYSTEMS[0] and SYSTEMS[0] in outputs}
+            report.put("breakdown", breakdowns)
+            report.put("kv", kv)
+            report.put(f"greedy_agreement_{n}", agree)
+    report.line("")
+    report.line("Greedy outputs equal to ours (bf16: reduction order may flip near-ties): " + "; ".join(
+        f"{n} requests: " + ", ".join(f"{k} {v}/{n}" for k, v in report.data.get(f"greedy_agreement_{n}", {}).items())
+        for n in concurrency))
+    report.line("")
+    report.line("Our decode steps (at least half the requests running), median per phase, ms:")
+    report.line("")
+    report.line("| requests | steps | batch | schedule | prepare | launch | device forward | wait | sample | "
+                "step | host share |")
+    report.line("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, b in breakdowns.items():
+        if b.get("steps"):
+            ms = lambda k: f"{b[k] * 1e3:.2f}" if b.get(k) is not None else "-"
+            share = f"{b['host_fraction']:.0%}" if "host_fraction" in b else "-"
+            report.line(f"| {n} | {b['steps']} | {b['median_batch']:.0f} | {ms('schedule_s')} | {ms('prepare_s')} | "
+                        f"{ms('launch_s')} | {ms('device_s')} | {ms('wait_s')} | {ms('sample_s')} | "
+                        f"{ms('total_s')} | {share} |")
+    report.line("")
+    for n, facts in kv.items():
+        report.line(f"KV at {n} requests: {facts}")
+    report.finish(ok)
+
+
+PARTS = {"throughput_small": lambda r, s: throughput(r, s, "smollm2-135m"),
+         "throughput_large": lambda r, s: throughput(r, s, "llama-3-8b")}
