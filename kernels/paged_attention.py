@@ -203,7 +203,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     num_splits: int | None = None, block_m: int | None = None,
                     tile_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `query [T, heads, head_dim]` over a paged cache `[blocks, block_size, kv_heads,
-    head_dim]`; same contract as `jupyter_pagedkv.attention.paged_attention_reference`.
+    head_dim]`; same contract as `reference.paged_attention`.
 
     `max_seq_len` (a host int) sizes the split-K decision without a device sync; `num_splits`,
     `block_m` and `tile_n` override the heuristics (tests use them to reach every path).

@@ -1,4 +1,6 @@
-"""Torch references for the kernels: the slow, obvious definitions the tests compare against."""
+"""Torch references for the kernels: the slow, obvious definitions the tests compare against.
+
+Standalone (torch only): the package imports the kernels, never the reverse."""
 from __future__ import annotations
 
 import torch
@@ -8,40 +10,41 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
-    """The engine's oracle (`jupyter_pagedkv.attention.paged_attention_reference`); with a
-    sliding window, the same definition with keys older than `window` positions masked."""
-    from jupyter_pagedkv.attention import paged_attention_reference
-    if sliding_window is None:
-        return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens,
-                                         query_start_loc, scale)
-    return _windowed(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                     sliding_window)
+    """The plain definition, one sequence at a time in fp32: the oracle for every faster path
+    (the Triton kernel and the engine's torch path).
 
-
-def _windowed(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window):
-    """Query at position p sees keys in (p - window, p]: the HF sliding-window rule."""
+    Sequence i owns query rows [query_start_loc[i], query_start_loc[i+1]); its context has
+    seq_lens[i] tokens whose KV sits in blocks block_tables[i, :]; its queries are the last
+    tokens of that context. A query at position p sees keys 0 .. p, and with a sliding window
+    only those in (p - window, p] (the Hugging Face rule).
+    """
     heads, d = query.shape[1:]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float32)
     for i in range(len(seq_lens)):
         s, e, ctx = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
-        if e == s:
+        if e == s or ctx == 0:
             continue
         blocks = block_tables[i, :-(-ctx // bs)].long()
         k = k_cache[blocks].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, 1)
         v = v_cache[blocks].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, 1)
         q_pos = torch.arange(ctx - (e - s), ctx).view(-1, 1)
         k_pos = torch.arange(ctx).view(1, -1)
-        allowed = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
         scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
     return out.to(query.dtype)
 
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
-    """The engine's torch path (`jupyter_pagedkv.attention.write_kv`)."""
-    from jupyter_pagedkv.attention import write_kv as torch_write_kv
-    torch_write_kv(k_cache, v_cache, key, value, slot_mapping)
+    """Row by row: token t goes to position slot % block_size of block slot // block_size; -1 skips."""
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = key[t]
+            v_cache[slot // block_size, slot % block_size] = value[t]
 
 
 def copy_blocks(k: torch.Tensor, v: torch.Tensor, pairs) -> None:

@@ -35,7 +35,7 @@ def assert_same_or_near_tie(model, prompt: list[int], ours: list[int], ref: list
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded SmolLM2-135M-Instruct: (model, tokenizer), loaded once per session."""
-    from jupyter_pagedkv.loader import load_model
+    from jupyter_pagedkv.worker.loader import load_model
 
     loaded = load_model(None, torch.float32, torch.device("cpu"))
     return loaded.model, loaded.tokenizer

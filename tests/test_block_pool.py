@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from jupyter_pagedkv.block_pool import BlockPool, NoFreeBlocksError, hash_block
-from jupyter_pagedkv.block_table import BlockTable
+from jupyter_pagedkv.core.block_pool import BlockPool, NoFreeBlocksError, hash_block
+from jupyter_pagedkv.core.block_table import BlockTable
 
 
 def refs_of(*tables: BlockTable) -> Counter:

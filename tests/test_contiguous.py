@@ -5,9 +5,9 @@ import pytest
 
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.block_pool import BlockPool
-from jupyter_pagedkv.block_table import BlockTable
-from jupyter_pagedkv.contiguous import ContiguousArena
+from jupyter_pagedkv.core.block_pool import BlockPool
+from jupyter_pagedkv.core.block_table import BlockTable
+from jupyter_pagedkv.core.contiguous import ContiguousArena
 
 MODEL = tiny_model("llama", seed=8)
 

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import tiny_model
 from jupyter_pagedkv import Engine, SamplingParams
-from jupyter_pagedkv.loader import ModelNotFoundError
+from jupyter_pagedkv.worker.loader import ModelNotFoundError
 
 MODEL = tiny_model("llama")
 

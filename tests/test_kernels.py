@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from jupyter_pagedkv import kernels_bridge
-from jupyter_pagedkv.kernels_bridge import KERNELS_PACKAGE, kernel_module, resolve_backend
+from jupyter_pagedkv.worker import kernels_bridge
+from jupyter_pagedkv.worker.kernels_bridge import KERNELS_PACKAGE, kernel_module, resolve_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = torch.device(os.environ.get("PAGEDKV_KERNEL_TEST_DEVICE", "cpu"))
@@ -161,7 +161,7 @@ def test_a_batch_without_tokens_returns_an_empty_output(kernels):
 
 
 def test_bridge_adapts_paged_metadata_and_strided_queries(kernels):
-    from jupyter_pagedkv.attention import PagedMetadata
+    from jupyter_pagedkv.worker.attention import PagedMetadata
     b = make_batch([1, 6], [40, 6], heads=6, kv_heads=2)
     strided_q = b.query.transpose(0, 1).contiguous().transpose(0, 1)     # [T, heads, d] view
     meta = PagedMetadata(kv_cache=None, slot_mapping=torch.full((7,), -1, device=DEVICE),
@@ -266,7 +266,7 @@ def test_the_checkout_never_shadows_an_installed_kernels_distribution(tmp_path):
 def test_benchmark_smoke_run_prints_every_column():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)       # the bench switches it on by itself without CUDA
-    proc = subprocess.run([sys.executable, "-m", "jupyter_pagedkv.kernels_bridge", "--smoke",
+    proc = subprocess.run([sys.executable, "-m", "jupyter_pagedkv.worker.kernels_bridge", "--smoke",
                            "--batches", "1", "2", "--contexts", "40"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -16,9 +16,9 @@ import torch
 from IPython.core.error import UsageError
 
 from jupyter_pagedkv import BeamSearchParams
-from jupyter_pagedkv import session as session_mod
-from jupyter_pagedkv.session import current, format_bytes, rss_bytes
-from jupyter_pagedkv.streaming import footer
+from jupyter_pagedkv.notebook import session as session_mod
+from jupyter_pagedkv.notebook.session import current, format_bytes, rss_bytes
+from jupyter_pagedkv.notebook.streaming import footer
 
 pytestmark = pytest.mark.slow
 
@@ -173,7 +173,7 @@ def test_generate_speculative_ngram_is_exact_and_counts_drafts(ip):
 @pytest.fixture
 def terminal_writes(monkeypatch) -> list[str]:
     """Every string the terminal renderer writes, in order."""
-    from jupyter_pagedkv import streaming
+    from jupyter_pagedkv.notebook import streaming
 
     writes: list[str] = []
     original = streaming.PrintRenderer.__init__

@@ -95,7 +95,7 @@ def test_background_result_arrives_while_later_cells_run(kernel):
     cell = kernel.execute("%%generate --max-tokens 8 --background --out bg\nName a planet.")
     assert not errors(cell), errors(cell)
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.outputs)
-    check = kernel.execute("from jupyter_pagedkv.session import current\n"
+    check = kernel.execute("from jupyter_pagedkv.notebook.session import current\n"
                            "assert current().wait_background(120)\n"
                            "print(bg.finish_reason, len(bg.token_ids))\n"
                            "shown = current().jobs[-1].render.widget.outputs[0]['data']['text/plain']\n"

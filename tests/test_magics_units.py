@@ -6,12 +6,12 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from jupyter_pagedkv.magics import PagedKVMagics, _unescape, interpolate, parse_line, split_prompts
-from jupyter_pagedkv.text_views import block_map
-from jupyter_pagedkv.monitor_channel import TARGET, handle_message, open_comm, register
-from jupyter_pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jupyter_pagedkv.session import ChatSession, KernelSession
-from jupyter_pagedkv.streaming import DisplayRenderer, Panel, PrintRenderer, footer
+from jupyter_pagedkv.notebook.magics import PagedKVMagics, _unescape, interpolate, parse_line, split_prompts
+from jupyter_pagedkv.notebook.text_views import block_map
+from jupyter_pagedkv.monitor.channel import TARGET, handle_message, open_comm, register
+from jupyter_pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jupyter_pagedkv.notebook.session import ChatSession, KernelSession
+from jupyter_pagedkv.notebook.streaming import DisplayRenderer, Panel, PrintRenderer, footer
 
 
 def output(text: str, n: int = 3) -> RequestOutput:

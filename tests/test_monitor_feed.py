@@ -9,9 +9,9 @@ import pytest
 
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.monitor_channel import open_comm
-from jupyter_pagedkv.monitor_feed import MonitorFeed
-from jupyter_pagedkv.session import KernelSession
+from jupyter_pagedkv.monitor.channel import open_comm
+from jupyter_pagedkv.monitor.feed import MonitorFeed
+from jupyter_pagedkv.notebook.session import KernelSession
 
 MODEL = tiny_model("llama", seed=3)
 PROMPT = list(range(3, 30))          # 27 tokens: 6 full blocks of 4 and a partial one

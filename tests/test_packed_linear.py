@@ -7,7 +7,7 @@ from torch import nn
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.packed_linear import pack_linears, packed_gemms, packing_available, should_pack
+from jupyter_pagedkv.worker.packed_linear import pack_linears, packed_gemms, packing_available, should_pack
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 

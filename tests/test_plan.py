@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_pagedkv.plan import GiB, MODELS, plan
+from jupyter_pagedkv.sim.plan import GiB, MODELS, plan
 
 
 def test_kv_bytes_per_token_counts_kv_heads_not_query_heads():
@@ -13,7 +13,7 @@ def test_kv_bytes_per_token_counts_kv_heads_not_query_heads():
 
 
 def test_model_shape_from_a_config_matches_the_preset(embedded):
-    from jupyter_pagedkv.plan import ModelShape
+    from jupyter_pagedkv.sim.plan import ModelShape
 
     model, _ = embedded
     shape = ModelShape.from_config(model.config)

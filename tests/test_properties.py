@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
 from jupyter_pagedkv import Engine, SamplingParams
-from jupyter_pagedkv.kv_cache import KVSpec
+from jupyter_pagedkv.worker.kv_cache import KVSpec
 
 MODEL = tiny_model("llama", vocab=64, seed=5)
 BYTES_PER_TOKEN = KVSpec.from_config(MODEL.config, torch.float32).bytes_per_token

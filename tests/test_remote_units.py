@@ -13,12 +13,12 @@ import pytest
 from IPython.core.error import UsageError
 
 from jupyter_pagedkv import Engine
-from jupyter_pagedkv.kv_events import BlockMap, MsgpackError, unpack_msgpack
-from jupyter_pagedkv.remote import RemoteError
-from jupyter_pagedkv.remote_monitor import RemoteMonitorFeed
-from jupyter_pagedkv.sampling_params import SamplingParams
-from jupyter_pagedkv.server_metrics import KV_USAGE, PREFIX_HITS, ServerMetrics, parse_prometheus
-from jupyter_pagedkv.session import KernelSession
+from jupyter_pagedkv.remote.kv_events import BlockMap, MsgpackError, unpack_msgpack
+from jupyter_pagedkv.remote.client import RemoteError
+from jupyter_pagedkv.remote.monitor import RemoteMonitorFeed
+from jupyter_pagedkv.core.sampling_params import SamplingParams
+from jupyter_pagedkv.remote.server_metrics import KV_USAGE, PREFIX_HITS, ServerMetrics, parse_prometheus
+from jupyter_pagedkv.notebook.session import KernelSession
 
 METRICS = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
@@ -175,7 +175,7 @@ def test_magics_connect_generate_disconnect(fake, capsys):
     _, url = fake
     ip = start_ipython() or get_ipython()   # None once another module started it
     ip.run_line_magic("load_ext", "jupyter_pagedkv")
-    from jupyter_pagedkv import session
+    from jupyter_pagedkv.notebook import session
     saved, session._current = session._current, KernelSession()
     try:
         with pytest.raises(UsageError, match="cannot connect: model 'x' is not served"):
@@ -191,7 +191,7 @@ def test_magics_connect_generate_disconnect(fake, capsys):
             ip.run_cell_magic("generate", "--max-tokens 2 --raw", "drop")
         ip.run_line_magic("pagedkv", "status")
         assert "KV usage 25.0%" in capsys.readouterr().out
-        from jupyter_pagedkv.monitor_channel import snapshot
+        from jupyter_pagedkv.monitor.channel import snapshot
         snap = snapshot(session.current())   # the monitor comm's payload, unchanged shape
         assert snap["device"] == "remote" and snap["stats"]["num_used"] == 25
         assert snap["pool"]["states"].count("used") == 25 and len(snap["pool"]["states"]) == 100

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from jupyter_pagedkv import Engine, streaming
-from jupyter_pagedkv.peer_server import PeerServer, ServerConfig, free_port, peer_python
-from jupyter_pagedkv.remote_monitor import RemoteMonitorFeed
-from jupyter_pagedkv.sampling_params import SamplingParams
-from jupyter_pagedkv.session import KernelSession
+from jupyter_pagedkv.remote.peer_server import PeerServer, ServerConfig, free_port, peer_python
+from jupyter_pagedkv.remote.monitor import RemoteMonitorFeed
+from jupyter_pagedkv.core.sampling_params import SamplingParams
+from jupyter_pagedkv.notebook.session import KernelSession
 
 # The condition is declared, not buried in a fixture: `make test` builds the peer venv before
 # pytest starts (`make bench-peers`), so these run whenever that build succeeded.
@@ -57,7 +57,7 @@ def local_greedy(embedded):
 @pytest.fixture(scope="module")
 def server(local_greedy):
     py = peer_python()
-    from jupyter_pagedkv.loader import embedded_model_dir
+    from jupyter_pagedkv.worker.loader import embedded_model_dir
     cfg = ServerConfig(str(embedded_model_dir()), port=free_port(), kv_events_port=free_port())
     log = os.path.join(tempfile.gettempdir(), f"pagedkv-vllm-{cfg.port}.log")
     srv = PeerServer(cfg, py, log).start()
@@ -81,7 +81,7 @@ def client(server):
 def ip(server, capsys):
     from IPython.testing.globalipapp import get_ipython, start_ipython
 
-    from jupyter_pagedkv import session
+    from jupyter_pagedkv.notebook import session
     shell = start_ipython() or get_ipython()   # None once another module started it
     shell.run_line_magic("load_ext", "jupyter_pagedkv")
     saved, session._current = session._current, KernelSession()
@@ -91,7 +91,7 @@ def ip(server, capsys):
 
 
 def test_magics_connect_stream_and_chat_cached_tokens(server, ip, capsys, monkeypatch):
-    from jupyter_pagedkv import session
+    from jupyter_pagedkv.notebook import session
 
     ip.run_line_magic("pagedkv", f"connect {server.config.url} --model smollm2 --timeout 300")
     assert "connected to smollm2 @" in capsys.readouterr().out

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.sampler import Sampler
+from jupyter_pagedkv.worker.sampler import Sampler
 
 MODEL = tiny_model("llama", seed=1)
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]

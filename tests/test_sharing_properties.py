@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
 from jupyter_pagedkv import BeamSearchParams, Engine, SamplingParams
-from jupyter_pagedkv.block_pool import BlockPool, NoFreeBlocksError
-from jupyter_pagedkv.block_table import BlockTable
-from jupyter_pagedkv.kv_cache import KVCache, KVSpec
+from jupyter_pagedkv.core.block_pool import BlockPool, NoFreeBlocksError
+from jupyter_pagedkv.core.block_table import BlockTable
+from jupyter_pagedkv.worker.kv_cache import KVCache, KVSpec
 
 table_op = st.one_of(
     st.tuples(st.just("fork"), st.integers(0, 50)),

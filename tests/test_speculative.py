@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import attention, tiny_model
 from jupyter_pagedkv import Engine, SamplingParams
-from jupyter_pagedkv.block_pool import BlockPool
-from jupyter_pagedkv.block_table import BlockTable
-from jupyter_pagedkv.drafters import NgramDrafter, Proposal
-from jupyter_pagedkv.speculative import DraftLengthPolicy
-from jupyter_pagedkv.verification import verify_greedy, verify_sampled
+from jupyter_pagedkv.core.block_pool import BlockPool
+from jupyter_pagedkv.core.block_table import BlockTable
+from jupyter_pagedkv.decoding.drafters import NgramDrafter, Proposal
+from jupyter_pagedkv.decoding.speculative import DraftLengthPolicy
+from jupyter_pagedkv.decoding.verification import verify_greedy, verify_sampled
 
 VOCAB = 64
 MODEL = tiny_model("llama", vocab=VOCAB, seed=3)
@@ -159,7 +159,7 @@ def test_greedy_speculation_is_token_identical_in_a_mixed_batch(make_engine, spe
 
 
 def test_greedy_speculation_survives_swap_preemption(make_engine):
-    from jupyter_pagedkv.kv_cache import KVSpec
+    from jupyter_pagedkv.worker.kv_cache import KVSpec
     per_block = KVSpec.from_config(MODEL.config, torch.float32).bytes_per_token * 4
     engine = make_engine(MODEL, block_size=4, num_blocks=20, speculative=SAME_DRAFT,
                          preemption_mode="swap", swap_space=40 * per_block)

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.kv_cache import KVCache, KVSpec
+from jupyter_pagedkv.worker.kv_cache import KVCache, KVSpec
 from jupyter_pagedkv.bench.models import random_prompts
 
 MODEL = tiny_model("llama", seed=8)

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     elif name == "gpu":
         from .gpu import main as run
     elif name == "kernels":
-        from jupyter_pagedkv.kernels_bridge import kernel_module
+        from jupyter_pagedkv.worker.kernels_bridge import kernel_module
         run = kernel_module("bench").main
     else:
         print(f"unknown benchmark {name!r}. {USAGE}", file=sys.stderr)

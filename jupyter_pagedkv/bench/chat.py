@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from IPython.core.interactiveshell import InteractiveShell
 
-    from jupyter_pagedkv.session import current
+    from jupyter_pagedkv.notebook.session import current
 
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "jupyter_pagedkv")

@@ -5,7 +5,7 @@ that decides engine throughput there. It runs every linear layer of the model on
 (the shapes of one decode forward: 7 per Llama layer plus the output projection, every row
 sampling),
 with `torch.nn.functional.linear` on the plain weights and with the oneDNN-packed copies the
-engine uses (`jupyter_pagedkv.packed_linear`), alternating, and prints medians and the ratio.
+engine uses (`jupyter_pagedkv.worker.packed_linear`), alternating, and prints medians and the ratio.
 Random weights of the model's shapes: speed does not depend on the values.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig
 
-    from jupyter_pagedkv.loader import embedded_model_dir
-    from jupyter_pagedkv.packed_linear import packing_available
+    from jupyter_pagedkv.worker.loader import embedded_model_dir
+    from jupyter_pagedkv.worker.packed_linear import packing_available
 
     if not packing_available():
         print("this torch build has no oneDNN packed linear: nothing to compare")

@@ -118,7 +118,7 @@ def kernel_tests(report: Report, smoke: bool) -> None:
 
 # -- kernel_bench -----------------------------------------------------------------------------
 def kernel_bench(report: Report, smoke: bool) -> None:
-    from jupyter_pagedkv.kernels_bridge import kernel_module
+    from jupyter_pagedkv.worker.kernels_bridge import kernel_module
 
     result = kernel_module("bench").measure(["--smoke"] if smoke else [])
     report.put("bench", result)

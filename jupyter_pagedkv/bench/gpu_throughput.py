@@ -139,7 +139,7 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
                 report.put("rows", rows)
                 report.line(f"| {n} | {name} | {produced} | {seconds[name]:.2f} | "
                             f"{produced / seconds[name]:.0f} | {ratio} |")
-            from jupyter_pagedkv.step_timing import summarize
+            from jupyter_pagedkv.worker.step_timing import summarize
             breakdowns[n] = summarize(timings, min_decode=max(1, n // 2)) if SYSTEMS[0] in outputs else {}
             agree = {name: sum(a == b for a, b in zip(outputs[SYSTEMS[0]], outs))
                      for name, outs in outputs.items() if name != SYSTEMS[0] and SYSTEMS[0] in outputs}

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def embedded():
         if "m" not in cache:
-            from jupyter_pagedkv.loader import load_model
+            from jupyter_pagedkv.worker.loader import load_model
             loaded = load_model(None, torch.float32, torch.device("cpu"))
             cache["m"] = (loaded.model, loaded.tokenizer)
         return cache["m"]

@@ -40,7 +40,7 @@ def rate_ratio(paged: float, contiguous: float) -> float:
 
 # -- the simulated scale ------------------------------------------------------------------------
 def sim_scale(args) -> dict:
-    from ..plan import MODELS
+    from ..sim.plan import MODELS
     from ..sim import Simulator, synthetic
 
     shape = MODELS[args.model]
@@ -85,10 +85,10 @@ def sim_scale(args) -> dict:
 def real_scale(args) -> dict:
     import torch
 
-    from ..bench.workload import chat_requests, with_history
-    from ..engine import Engine
-    from ..loader import load_model
-    from ..sampling_params import SamplingParams
+    from .workload import chat_requests, with_history
+    from ..engine.engine import Engine
+    from ..worker.loader import load_model
+    from ..core.sampling_params import SamplingParams
     from ..sim.serve import TimedPrompt, serve
     from ..sim.workload import arrivals
 

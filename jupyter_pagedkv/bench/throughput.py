@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jupyter_pagedkv.loader import embedded_model_dir
+    from jupyter_pagedkv.worker.loader import embedded_model_dir
 
     model_dir = embedded_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -6,7 +6,7 @@ import argparse
 import random
 import time
 
-from ..plan import GPUS, MODELS
+from .plan import GPUS, MODELS
 from .workload import PROFILES, synthetic
 
 

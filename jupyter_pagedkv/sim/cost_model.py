@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..plan import GPU, GPUS, MODELS, ModelShape
+from .plan import GPU, GPUS, MODELS, ModelShape
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..engine.outputs import RequestOutput
+from ..core.sampling_params import SamplingParams
 from .summary import RequestTiming, RunSummary, UtilisationMeter, kv_occupancy
 
 

@@ -14,14 +14,14 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..block_pool import BlockPool
-from ..block_table import BlockTable
-from ..contiguous import ContiguousArena
-from ..plan import plan as capacity_plan
-from ..sampling_params import SamplingParams
-from ..scheduler import Scheduler, StepRecord
-from ..sequence import Sequence
-from ..swap_space import SwapSpace
+from ..core.block_pool import BlockPool
+from ..core.block_table import BlockTable
+from ..core.contiguous import ContiguousArena
+from .plan import plan as capacity_plan
+from ..core.sampling_params import SamplingParams
+from ..core.scheduler import Scheduler, StepRecord
+from ..core.sequence import Sequence
+from ..core.swap_space import SwapSpace
 from .cost_model import CostModel, ModelCost
 from .summary import RequestTiming, RunSummary, UtilisationMeter, kv_occupancy
 from .workload import SimRequest

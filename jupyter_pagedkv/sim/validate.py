@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import ModelShape
-from ..scheduler import StepRecord
+from .plan import ModelShape
+from ..core.scheduler import StepRecord
 from .cost_model import CostModel, ModelCost
 from .serve import TimedPrompt
 from .simulator import SimConfig, Simulator

@@ -14,10 +14,10 @@ import anywidget
 import traitlets
 
 if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..monitor_feed import Frame
+    from ..engine.engine import Engine
+    from ..monitor.feed import Frame
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
+STATIC = Path(__file__).resolve().parent / "static"
 
 
 class BlockPoolMonitor(anywidget.AnyWidget):

@@ -10,7 +10,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
+STATIC = Path(__file__).resolve().parent / "static"
 ORDER = ("free", "cached", "used", "shared", "swapped", "speculative")
 
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from .pool_figure import pool_figure, state_colours
 
 if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..outputs import EngineStats
+    from ..engine.engine import Engine
+    from ..core.stats import EngineStats
 
 
 @dataclass(frozen=True)

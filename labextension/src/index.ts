@@ -1,14 +1,14 @@
 // JupyterLab side of jupyter-pagedkv: a "KV cache" side panel with the live block map of the
 // active notebook's kernel, and a status-bar item ("KV 43% · 12 running"). Both read one comm
 // per kernel to the target that `%load_ext jupyter_pagedkv` registers; the drawing code is the
-// notebook widget's own module (jupyter_pagedkv/static/blockmap.js).
+// notebook widget's own module (jupyter_pagedkv/widgets/static/blockmap.js).
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { Kernel, KernelMessage } from '@jupyterlab/services';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
-import { mount, statusText, View } from '../../jupyter_pagedkv/static/blockmap.js';
+import { mount, statusText, View } from '../../jupyter_pagedkv/widgets/static/blockmap.js';
 
 const TARGET = 'jupyter_pagedkv.monitor';
 const PANEL_ID = 'jupyter-pagedkv-panel';

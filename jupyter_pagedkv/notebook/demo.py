@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import Engine, SamplingParams
+from .. import Engine, SamplingParams
 
 QUESTIONS = [
     "Hi!",

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .monitor_feed import Frame, MonitorFeed
+from ..monitor.feed import Frame, MonitorFeed
 
 if TYPE_CHECKING:
-    from .remote import RemoteEngine
+    from .client import RemoteEngine
     from .server_metrics import RemoteStats
 
 

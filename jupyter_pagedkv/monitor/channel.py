@@ -16,7 +16,7 @@ import dataclasses
 import threading
 from typing import Any, Callable
 
-from .session import KernelSession, current
+from ..notebook.session import KernelSession, current
 
 TARGET = "jupyter_pagedkv.monitor"
 

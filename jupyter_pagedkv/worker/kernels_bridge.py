@@ -31,7 +31,7 @@ def load_kernels() -> ModuleType:
     except ModuleNotFoundError as err:
         if err.name != KERNELS_PACKAGE:
             raise
-    source = Path(__file__).resolve().parent.parent / "kernels"
+    source = Path(__file__).resolve().parents[2] / "kernels"
     if not (source / "paged_attention.py").exists():
         raise ModuleNotFoundError(f"{KERNELS_PACKAGE} is not installed and {source} is missing",
                                   name=KERNELS_PACKAGE)
@@ -96,5 +96,5 @@ def copy_blocks_triton(k: torch.Tensor, v: torch.Tensor, pairs) -> None:
     kernel_module("cache_ops").copy_blocks(k, v, pairs)
 
 
-if __name__ == "__main__":      # from a source checkout: python -m jupyter_pagedkv.kernels_bridge --smoke
+if __name__ == "__main__":      # from a source checkout: python -m jupyter_pagedkv.worker.kernels_bridge --smoke
     sys.exit(kernel_module("bench").main(sys.argv[1:]))

@@ -138,7 +138,7 @@ def sampling_arguments(f: Callable) -> Callable:
 
 @magics_class
 class PagedKVMagics(Magics):
-    """Magics over the kernel's one engine (`jupyter_pagedkv.session.current()`)."""
+    """Magics over the kernel's one engine (`jupyter_pagedkv.notebook.session.current()`)."""
 
     @property
     def session(self) -> KernelSession:
@@ -272,7 +272,7 @@ class PagedKVMagics(Magics):
 
     def _connect(self, rest: str) -> None:
         """Hand the magics a server client; the local engine stays loaded for `disconnect`."""
-        from .remote import RemoteError
+        from ..remote.client import RemoteError
         args = parse_connect(rest)
         try:
             client = self.session.connect(args.url, api_key=args.api_key, model=args.model,
@@ -301,7 +301,7 @@ class PagedKVMagics(Magics):
         import contextlib
         import io
 
-        from . import plan as planner
+        from ..sim import plan as planner
 
         err = io.StringIO()
         try:
@@ -310,7 +310,7 @@ class PagedKVMagics(Magics):
         except SystemExit as exit_:
             lines = err.getvalue().strip().splitlines()
             if exit_.code == 0:   # --help
-                print(err.getvalue().replace("python -m jupyter_pagedkv.plan", "%pagedkv plan"))
+                print(err.getvalue().replace("python -m jupyter_pagedkv plan", "%pagedkv plan"))
                 return
             raise UsageError(f"{lines[-1] if lines else 'bad arguments'} (e.g. %pagedkv plan "
                              f"Llama-3-70B --gpu H100-80GB --num-gpus 2)") from None
@@ -418,7 +418,7 @@ class PagedKVMagics(Magics):
     # -- shared -----------------------------------------------------------------------------------
     @staticmethod
     def _params(args):
-        from .sampling_params import SamplingParams
+        from ..core.sampling_params import SamplingParams
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out {args.out!r} is not a valid variable name")
         try:
@@ -520,7 +520,7 @@ class FinalOnly:
 
 def _beam_params(args):
     """--beams B: deterministic beam search; sampling and stop options have no meaning there."""
-    from .sampling_params import BeamSearchParams
+    from ..core.sampling_params import BeamSearchParams
     if args.beams < 1:
         raise UsageError(f"--beams must be >= 1, got {args.beams}")
     clash = [name for name, used in (("--n", args.n != 1), ("--temperature", args.temperature != 0.0),

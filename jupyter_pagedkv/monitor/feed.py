@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine.engine import Engine
 
 # Known states get fixed codes, so colours stay put; any other state name a snapshot reports
 # (new engine features) is appended to the legend on first sight and drawn generically.

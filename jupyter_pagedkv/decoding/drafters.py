@@ -16,11 +16,11 @@ from typing import Protocol
 
 import torch
 
-from .kv_cache import KVCache, KVSpec
-from .model_runner import ModelRunner
-from .sampler import Sampler
-from .scheduler import ScheduledChunk
-from .sequence import Sequence
+from ..worker.kv_cache import KVCache, KVSpec
+from ..worker.model_runner import ModelRunner
+from ..worker.sampler import Sampler
+from ..core.scheduler import ScheduledChunk
+from ..core.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .block_table import BlockTable
-from .sampling_params import BeamSearchParams, SamplingParams
-from .sequence import Sequence, SequenceStatus
+from ..core.block_table import BlockTable
+from ..core.sampling_params import BeamSearchParams, SamplingParams
+from ..core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler
+    from ..core.scheduler import Scheduler
 
 # transformers' mask value: a candidate carrying it can never outrank a real one.
 _MASK = -1.0e9

@@ -4,7 +4,7 @@ The model runs on one flat row of tokens (`[1, num_tokens]`) mixing decode token
 chunks of many sequences. Every attention layer receives the same per-step `PagedMetadata`
 (through the `paged=` keyword the runner passes to `model(...)`): it writes the new K/V into their
 slots and attends over each sequence's blocks. On the CPU this is pure torch; the Triton kernels
-in `kernels/` are checked against `paged_attention_reference` below.
+in `kernels/` and this torch path are both checked against `kernels/reference.py`.
 """
 from __future__ import annotations
 
@@ -132,35 +132,6 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _causal_mask(ctx_start: int, q_len: int, ctx_len: int) -> torch.Tensor:
     """Query i (at position ctx_start + i) may see keys 0 .. ctx_start + i."""
     return torch.arange(ctx_len).view(1, -1) <= torch.arange(ctx_start, ctx_start + q_len).view(-1, 1)
-
-
-def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                              query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """The plain definition, one sequence at a time in fp32: the oracle for every faster path.
-
-    Sequence i owns query rows [query_start_loc[i], query_start_loc[i+1]); its context has
-    seq_lens[i] tokens whose KV sits in blocks block_tables[i, :]; its queries are the last
-    tokens of that context (causal inside the chunk).
-    """
-    num_tokens, heads, d = query.shape
-    bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(num_tokens, heads, d, dtype=torch.float32)
-    for i in range(len(seq_lens)):
-        s, e, ctx = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
-        n = e - s
-        if n == 0 or ctx == 0:
-            continue
-        nb = -(-ctx // bs)
-        blocks = block_tables[i, :nb].long()
-        k = k_cache[blocks].reshape(-1, kvh, d)[:ctx].float()
-        v = v_cache[blocks].reshape(-1, kvh, d)[:ctx].float()
-        rep = heads // kvh
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale
-        scores = scores.masked_fill(~_causal_mask(ctx - n, n, ctx), float("-inf"))
-        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out.to(query.dtype)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .sequence import Sequence
+from ..core.sequence import Sequence
 
 
 class Sampler:

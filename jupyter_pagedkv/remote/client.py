@@ -25,8 +25,8 @@ from enum import Enum
 from typing import Any, Iterator, Sequence as Seq
 from urllib.parse import urlsplit
 
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
-from .sampling_params import SamplingParams
+from ..engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from ..core.sampling_params import SamplingParams
 from .server_metrics import (FINISHED, GENERATED, KV_USAGE, PREEMPTIONS, PREFIX_HITS,
                              PREFIX_QUERIES, RUNNING, WAITING, RemoteStats, ServerMetrics,
                              parse_prometheus)
@@ -617,13 +617,13 @@ class RemoteEngine:
         """The one RemoteMonitorFeed of this client (created on first use), shared by every monitor."""
         with self._feed_lock:         # not self._lock: creating the feed calls stats(), which takes it
             if self._monitor_feed is None:
-                from .remote_monitor import RemoteMonitorFeed
+                from .monitor import RemoteMonitorFeed
                 self._monitor_feed = RemoteMonitorFeed(self)
             return self._monitor_feed
 
     def monitor(self, **kwargs):
         """The live block-pool widget, drawn from the server's /metrics and KV events."""
-        from .widgets import BlockPoolMonitor
+        from ..widgets import BlockPoolMonitor
         return BlockPoolMonitor(self, **kwargs)
 
     def start(self) -> None:

@@ -139,7 +139,7 @@ def plan(model: str | ModelShape, gpu: str | GPU = "H100-80GB", num_gpus: int = 
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.plan", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m jupyter_pagedkv plan", description=__doc__)
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--gpu", default="H100-80GB", choices=sorted(GPUS))
     ap.add_argument("--num-gpus", type=int, default=1)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .sampler import Sampler
-from .sampling_params import SamplingParams
+from ..worker.sampler import Sampler
+from ..core.sampling_params import SamplingParams
 
 
 def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .outputs import RequestOutput
+    from ..engine.engine import Engine
+    from ..engine.outputs import RequestOutput
     from .streaming import BackgroundJob
 
 NO_ENGINE = "no model loaded: run `%pagedkv load` (the embedded SmolLM2-135M-Instruct) or `%pagedkv load MODEL`"
@@ -57,7 +57,7 @@ def preflight(model: str | None, device: str, dtype: str) -> None:
     Raises ValueError with the loader's wording; the full checks still happen while loading."""
     from pathlib import Path
 
-    from .loader import ModelNotFoundError, embedded_gguf
+    from ..worker.loader import ModelNotFoundError, embedded_gguf
 
     if model is None:
         embedded_gguf()
@@ -153,7 +153,7 @@ class KernelSession:
 
     def connect(self, url: str, **kwargs: Any) -> Any:
         """Point the magics at a vLLM server; the local engine (if any) waits for `disconnect`."""
-        from .remote import RemoteEngine
+        from ..remote.client import RemoteEngine
         client = RemoteEngine(url, **kwargs)   # raises before anything changes here
         if self.connected:
             self.engine.shutdown()
@@ -197,7 +197,7 @@ class KernelSession:
                 self.rss_before_load = rss_bytes()   # the level `unload` should return to
             bar.update()
             bar.set_description(f"loading {model or 'SmolLM2-135M-Instruct'} + allocating the KV cache")
-            from .engine import Engine
+            from ..engine.engine import Engine
             engine = Engine.from_pretrained(model, **engine_kwargs)
             bar.update()
             bar.set_description("starting the engine thread")

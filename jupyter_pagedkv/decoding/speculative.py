@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters import Drafter, Proposal
-from .scheduler import ScheduledChunk, SchedulerOutput
-from .sequence import Sequence
+from ..core.scheduler import ScheduledChunk, SchedulerOutput
+from ..core.sequence import Sequence
 from .verification import verify_greedy, verify_sampled
 
 

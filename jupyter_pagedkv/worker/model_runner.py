@@ -8,7 +8,7 @@ import torch
 from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additive_mask
 from .kv_cache import KVCache
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
-from .scheduler import ScheduledChunk
+from ..core.scheduler import ScheduledChunk
 from .step_timing import ForwardClock
 
 

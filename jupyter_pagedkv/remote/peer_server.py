@@ -1,6 +1,6 @@
 """Start a local vLLM OpenAI-compatible server from the peer venv, for `%pagedkv connect` and tests.
 
-    python -m jupyter_pagedkv.peer_server [--port 8000] [--kv-events-port 5557] [--api-key KEY]
+    python -m jupyter_pagedkv serve [--port 8000] [--kv-events-port 5557] [--api-key KEY]
 
 serves the embedded SmolLM2-135M-Instruct (its cached plain Hugging Face folder, the one the local
 engine loads) as model `smollm2`, fp32, eager, block size 32, with prefix caching, cached-token
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVED_NAME = "smollm2"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def peer_python(root: Path = REPO_ROOT) -> Path | None:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     py = peer_python()
     if py is None:
         p.error("no peer venv: run `make bench-peers` first (vLLM's CPU build, ~3.5 min)")
-    from .loader import embedded_model_dir
+    from ..worker.loader import embedded_model_dir
     cfg = ServerConfig(str(embedded_model_dir()), args.port, args.kv_events_port, args.api_key,
                        kv_space_gib=args.kv_space_gib)
     argv_ = cfg.argv(py)

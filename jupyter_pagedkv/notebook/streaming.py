@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .outputs import RequestOutput, StreamDelta
-    from .sampling_params import SamplingParams
+    from ..engine.engine import Engine
+    from ..engine.outputs import RequestOutput, StreamDelta
+    from ..core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -18,19 +18,20 @@ from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
 
-from .beam_search import BeamSearch, BeamSearchOutput, advance
-from .block_pool import BlockPool
-from .block_table import BlockTable
-from .contiguous import ContiguousArena
-from .kv_cache import KVCache, KVSpec
-from .loader import load_model
-from .model_runner import ModelRunner
-from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamDelta
-from .sampler import Sampler
-from .sampling_params import BeamSearchParams, SamplingParams
-from .scheduler import Scheduler, StepRecord
-from .sequence import Sequence, SequenceStatus
-from .step_timing import StepTiming
+from ..decoding.beam_search import BeamSearch, BeamSearchOutput, advance
+from ..core.block_pool import BlockPool
+from ..core.block_table import BlockTable
+from ..core.contiguous import ContiguousArena
+from ..worker.kv_cache import KVCache, KVSpec
+from ..worker.loader import load_model
+from ..worker.model_runner import ModelRunner
+from ..core.stats import EngineStats
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from ..worker.sampler import Sampler
+from ..core.sampling_params import BeamSearchParams, SamplingParams
+from ..core.scheduler import Scheduler, StepRecord
+from ..core.sequence import Sequence, SequenceStatus
+from ..worker.step_timing import StepTiming
 
 Prompt = str | list[int]
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -109,7 +110,7 @@ class Engine:
         self.kv_cache = KVCache(self.spec, num_blocks, block_size, self.device)
         self.swap = None
         if preemption_mode == "swap":
-            from .swap_space import SwapSpace
+            from ..core.swap_space import SwapSpace
             num_slots = parse_size(swap_space if swap_space is not None else "1GiB") // self.kv_cache.bytes_per_block
             if num_slots < 1:
                 raise ValueError("swap_space holds no block: give at least one block's worth, e.g. '64MiB'")
@@ -121,9 +122,9 @@ class Engine:
                                    arena=arena, max_model_len=self.max_model_len)
         self.trace: list[StepRecord] | None = None   # set to [] to record every step's schedule
         self.step_timings: list[StepTiming] | None = None   # set to [] to time every step's phases
-        from .kernels_bridge import resolve_backend
+        from ..worker.kernels_bridge import resolve_backend
         backend = resolve_backend(self.device, None if attention_backend == "auto" else attention_backend)
-        from .packed_linear import should_pack
+        from ..worker.packed_linear import should_pack
         self.pack_weights = should_pack(self.device, self.dtype, pack_weights)
         self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights)
         self.sampler = Sampler(seed)
@@ -141,8 +142,8 @@ class Engine:
         self.step_time_s = 0.0
         self.forward_time_s = 0.0
         self.seed = seed
-        from .drafters import NgramDrafter
-        from .speculative import Speculator
+        from ..decoding.drafters import NgramDrafter
+        from ..decoding.speculative import Speculator
         self.speculator = Speculator(self.scheduler, {"ngram": NgramDrafter()}, None,
                                      num_speculative_tokens, self.max_model_len, self.sampler.generator)
         if speculative is not None:
@@ -154,7 +155,7 @@ class Engine:
     @staticmethod
     def connect(url: str, api_key: str | None = None, model: str | None = None, **kwargs):
         """A client of a vLLM (OpenAI-compatible) server with this engine's surface; see remote.py."""
-        from .remote import RemoteEngine
+        from ..remote.client import RemoteEngine
         return RemoteEngine(url, api_key=api_key, model=model, **kwargs)
 
     @classmethod
@@ -175,7 +176,7 @@ class Engine:
     def add_drafter(self, speculative) -> str:
         """Register a drafter for speculative decoding and return its name: "ngram", a draft model
         id/path (loaded now), a loaded model, or any object with the `Drafter` methods."""
-        from .drafters import DraftModelDrafter
+        from ..decoding.drafters import DraftModelDrafter
         if isinstance(speculative, str):
             if speculative in self.speculator.drafters:
                 return speculative
@@ -815,13 +816,13 @@ class Engine:
         """The one MonitorFeed of this engine (created on first use), shared by every monitor."""
         with self._lock:
             if self._monitor_feed is None:
-                from .monitor_feed import MonitorFeed
+                from ..monitor.feed import MonitorFeed
                 self._monitor_feed = MonitorFeed(self)
             return self._monitor_feed
 
     def monitor(self, **kwargs):
         """The live block-pool widget (anywidget); display it in a notebook cell."""
-        from .widgets import BlockPoolMonitor
+        from ..widgets import BlockPoolMonitor
         return BlockPoolMonitor(self, **kwargs)
 
     def check_invariants(self) -> None:
