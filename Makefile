@@ -34,7 +34,7 @@ setup: $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/python -m jupyter_pagedkv demo
 
-# The vLLM server tests (tests/test_remote_vllm.py) need .venv-peers: building it costs ~3.5 min and
+# The vLLM server tests (tests/remote/test_remote_vllm.py) need .venv-peers: building it costs ~3.5 min and
 # 3.4 GB once (then it is a stamp check). A failed build does not stop the suite: those tests then
 # skip and say why. `make test PEERS=0` skips the attempt.
 PEERS ?= 1

@@ -19,6 +19,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from .core.sampling_params import BeamSearchParams, SamplingParams
+from .engine import extensions as _extensions
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "BeamSearchParams", "BeamSearchOutput",
@@ -57,6 +58,27 @@ def load_ipython_extension(ip) -> None:
     register(ip)
 
 
+# -- extensions of the engine that live above it (the engine names them, never imports them) ----
+def _monitor_feed(engine, **kwargs):
+    from .monitor.feed import feed_for
+    return feed_for(engine, **kwargs)
+
+
+def _monitor(engine, **kwargs):
+    from .widgets.block_pool_monitor import BlockPoolMonitor
+    return BlockPoolMonitor(engine, **kwargs)
+
+
+def _connect(url, **kwargs):
+    from .remote.client import RemoteEngine
+    return RemoteEngine(url, **kwargs)
+
+
+_extensions.register("monitor_feed", _monitor_feed)
+_extensions.register("monitor", _monitor)
+_extensions.register("connect", _connect)
+
+
 # -- modules that moved when the package got its subpackages: the old paths keep working -------
 MOVED = {
     "block_pool": "core.block_pool", "block_table": "core.block_table", "sequence": "core.sequence",
@@ -67,7 +89,7 @@ MOVED = {
     "speculative": "decoding.speculative", "drafters": "decoding.drafters",
     "verification": "decoding.verification", "beam_search": "decoding.beam_search",
     "outputs": "engine.outputs", "remote": "remote.client", "server_metrics": "remote.server_metrics",
-    "kv_events": "remote.kv_events", "remote_monitor": "remote.monitor", "peer_server": "remote.peer_server",
+    "kv_events": "remote.kv_events", "peer_server": "remote.peer_server",
     "monitor_feed": "monitor.feed", "monitor_channel": "monitor.channel", "magics": "notebook.magics",
     "session": "notebook.session", "streaming": "notebook.streaming", "text_views": "notebook.text_views",
     "demo": "notebook.demo", "plan": "sim.plan",

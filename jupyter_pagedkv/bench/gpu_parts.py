@@ -8,7 +8,6 @@ still hands the driver what it had measured. Every part runs unchanged on a CPU 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -19,38 +18,9 @@ from pathlib import Path
 
 import torch
 
+from .gpu_report import Report, device
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-class Report:
-    """What a part found: status, summary lines for the markdown report, data for the JSON."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.data: dict = {"status": "running", "summary": []}
-        self.save()
-
-    def line(self, text: str = "") -> None:
-        print(text, flush=True)
-        self.data["summary"].append(text)
-        self.save()
-
-    def put(self, key: str, value) -> None:
-        self.data[key] = value
-        self.save()
-
-    def finish(self, ok: bool) -> None:
-        self.data["status"] = "pass" if ok else "fail"
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        tmp.replace(self.path)
-
-
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def cpu_isa() -> str:
@@ -98,18 +68,18 @@ def env(report: Report, smoke: bool) -> None:
 
 # -- kernel_tests -----------------------------------------------------------------------------
 def kernel_tests(report: Report, smoke: bool) -> None:
-    """tests/test_kernels.py on the device, ignoring the repository's pytest configuration (its
+    """tests/worker/test_kernels.py on the device, ignoring the repository's pytest configuration (its
     addopts name nbval options a bare image cannot parse)."""
     env_vars = dict(os.environ, PAGEDKV_KERNEL_TEST_DEVICE=device().type)
     cmd = [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(REPO), "-p", "no:cacheprovider",
-           "-q", "-rfE", "--durations=5", str(REPO / "tests" / "test_kernels.py")]
+           "-q", "-rfE", "--durations=5", str(REPO / "tests" / "worker" / "test_kernels.py")]
     proc = subprocess.run(cmd, cwd=REPO, env=env_vars, capture_output=True, text=True)
     print(proc.stdout[-20000:], proc.stderr[-5000:], flush=True)
     tail = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
     summary = tail[-1].strip("= ") if tail else f"pytest exited {proc.returncode} without a summary"
     failures = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     report.put("pytest", {"returncode": proc.returncode, "summary": summary, "failures": failures})
-    report.line(f"`pytest tests/test_kernels.py` on {device().type}"
+    report.line(f"`pytest tests/worker/test_kernels.py` on {device().type}"
                 f"{' (Triton interpreter)' if os.environ.get('TRITON_INTERPRET') == '1' else ''}: {summary}")
     for ln in failures[:20]:
         report.line(f"- {ln}")
@@ -153,7 +123,8 @@ def exactness(report: Report, smoke: bool) -> None:
     """Greedy outputs of the engine on the device, Triton and torch backends, against
     transformers `generate` (sdpa) on the same device: token-identical, or the first difference
     a checked near-tie (the oracle's top-2 logit gap below the threshold)."""
-    from jupyter_pagedkv import Engine, SamplingParams
+    from ..core.sampling_params import SamplingParams
+    from ..engine.engine import Engine
     from jupyter_pagedkv.bench.models import TINY_ARCHS, compare_with_oracle, hf_greedy, random_prompts, \
         shaped_model, tiny_model
 
@@ -208,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    from jupyter_pagedkv.bench import gpu_throughput
+    from . import gpu_throughput
     parts = {**PARTS, **gpu_throughput.PARTS}
     if args.part not in parts:
         print(f"unknown part {args.part!r}: one of {sorted(parts)}", file=sys.stderr)

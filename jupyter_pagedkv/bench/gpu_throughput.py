@@ -8,15 +8,17 @@ the KV cache sized from free memory survives full load without running out of me
 """
 from __future__ import annotations
 
+import logging
 import random
-import statistics
 import time
 
 import torch
 
-from .gpu_parts import Report, device
+from .gpu_report import Report, device
 from .hf_peers import hf_continuous, hf_padded
 from .models import shaped_model
+
+logger = logging.getLogger(__name__)
 
 SYSTEMS = ("jupyter-pagedkv", "HF continuous batching", "HF generate, one padded batch")
 
@@ -36,7 +38,8 @@ def _sync() -> None:
 
 def run_ours(model, prompts, limits, *, backend: str, budget_tokens: int, timings: list | None) -> tuple[list, dict]:
     """Our engine with its KV cache sized from free memory (the default on CUDA)."""
-    from jupyter_pagedkv import Engine, SamplingParams
+    from ..core.sampling_params import SamplingParams
+    from ..engine.engine import Engine
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -48,8 +51,9 @@ def run_ours(model, prompts, limits, *, backend: str, budget_tokens: int, timing
         outs = engine.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                                          for m in limits])
         engine.check_invariants()
-        facts = {"num_blocks": engine.pool.num_blocks, "block_size": engine.block_size,
-                 "kv_gib": round(engine.kv_cache.nbytes / 2**30, 2),
+        info = engine.info()
+        facts = {"num_blocks": info.num_blocks, "block_size": info.block_size,
+                 "kv_gib": round(info.kv_bytes / 2**30, 2),
                  "max_running": max((t.num_seqs for t in timings), default=None) if timings else None,
                  "preemptions": engine.stats().num_preemptions}
         if torch.cuda.is_available():
@@ -124,6 +128,7 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
                     else:
                         outputs[name] = run_hf_padded(model, prompts, limits)
                 except Exception as err:   # a peer failing is a finding; ours failing fails the part
+                    logger.warning("%s at %d requests failed", name, n, exc_info=True)
                     report.line(f"| {n} | {name} | failed: {type(err).__name__}: {str(err)[:200]} | | | |")
                     ok &= name != SYSTEMS[0]
                     _empty()

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .workload import chat_requests
+from ..sim.workload import chat_requests
 
 
 class CommLike:
@@ -40,7 +40,8 @@ class CommLike:
 
 def _started_engine(kv_cache_memory: str, max_tokens: int):
     """The embedded model stepping in its background thread, warmed up, and the 32-request workload."""
-    from jupyter_pagedkv import Engine, SamplingParams
+    from ..core.sampling_params import SamplingParams
+    from ..engine.engine import Engine
 
     engine = Engine.from_pretrained(kv_cache_memory=kv_cache_memory, max_num_seqs=64)
     work = chat_requests(32, min_tokens=min(16, max_tokens), max_tokens=max_tokens)
@@ -157,7 +158,8 @@ def interleaved(kv_cache_memory: str, max_tokens: int, period: float) -> dict:
 def per_update(num_blocks: int, seconds: float) -> dict:
     import transformers as tf
 
-    from jupyter_pagedkv import Engine, SamplingParams
+    from ..core.sampling_params import SamplingParams
+    from ..engine.engine import Engine
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

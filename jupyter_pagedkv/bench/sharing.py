@@ -89,7 +89,7 @@ def tiny_llama(vocab: int = 512, seed: int = 0):
 
 def measure(engine, work: Workload, mode: str, width: int) -> dict:
     """Run the workload to completion; sum physical and private-copy blocks over every step."""
-    from jupyter_pagedkv import BeamSearchParams, SamplingParams
+    from ..core.sampling_params import BeamSearchParams, SamplingParams
 
     for i, (p, m) in enumerate(zip(work.prompts, work.max_tokens)):
         params = (BeamSearchParams(beam_width=width, max_tokens=m, ignore_eos=True) if mode == "beam" else
@@ -111,7 +111,7 @@ def measure(engine, work: Workload, mode: str, width: int) -> dict:
 
 
 def part_memory(args, embedded) -> None:
-    from jupyter_pagedkv import Engine
+    from ..engine.engine import Engine
 
     print("\n== KV blocks in use, sharing on vs every sequence holding private copies ==")
     print("saving = 1 - sum(blocks in use) / sum(blocks with private copies), over all steps; "
@@ -159,7 +159,8 @@ def system_prompt_ids(tok, target: int) -> tuple[str, int]:
 
 
 def part_system_prompt(args, embedded) -> None:
-    from jupyter_pagedkv import Engine, SamplingParams
+    from ..core.sampling_params import SamplingParams
+    from ..engine.engine import Engine
 
     model, tok = embedded()
     system, n_sys = system_prompt_ids(tok, args.system_tokens)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .workload import chat_requests
+from ..sim.workload import chat_requests
 
 PASSAGE = (
     "The lighthouse at the end of the harbour was built in 1874 by a company of stone masons "
@@ -45,7 +45,7 @@ TARGETS = {"copy-heavy": (">=", 1.5), "open chat": (">=", 0.95)}
 
 def run_mode(engine, prompts: list[list[int]], max_tokens: int, speculative) -> tuple[float, int, list[list[int]]]:
     """Generate the prompts one at a time; returns (seconds, tokens generated, outputs)."""
-    from jupyter_pagedkv import SamplingParams
+    from ..core.sampling_params import SamplingParams
 
     outs, tokens, seconds = [], 0, 0.0
     for p in prompts:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    from jupyter_pagedkv import Engine
+    from ..engine.engine import Engine
 
     engine = Engine.from_pretrained(None, device="cpu", dtype="float32", kv_cache_memory="256MiB",
                                     num_speculative_tokens=args.k)

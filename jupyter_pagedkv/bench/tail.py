@@ -85,7 +85,7 @@ def sim_scale(args) -> dict:
 def real_scale(args) -> dict:
     import torch
 
-    from .workload import chat_requests, with_history
+    from ..sim.workload import chat_requests, with_history
     from ..engine.engine import Engine
     from ..worker.loader import load_model
     from ..core.sampling_params import SamplingParams

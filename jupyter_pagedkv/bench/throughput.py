@@ -19,26 +19,26 @@ from typing import Callable
 import torch
 
 from .hf_peers import hf_continuous, hf_padded, hf_single
-from .workload import chat_requests
+from ..sim.workload import chat_requests
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_VENV = REPO / ".venv-peers"
 
 
 def run_ours(model, tokenizer, prompts, limits, step_log: list) -> list[list[int]]:
-    from jupyter_pagedkv import Engine, SamplingParams
+    """Our engine, stepped here; `step_log` receives every step's phase timings."""
+    from ..core.sampling_params import SamplingParams
+    from ..engine.engine import Engine
 
     engine = Engine(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=2048)
+    engine.step_timings = step_log
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
            for p, m in zip(prompts, limits)]
     done = {}
     while engine.has_unfinished_requests():
-        running = len(engine.scheduler.running)     # sequences decoding in this step
-        t0 = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        step_log.append((time.perf_counter() - t0, engine.runner.last_forward_s, running))
     engine.check_invariants()
     return [done[i] for i in ids]
 
@@ -146,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         if name != "jupyter-pagedkv":
             same = sum(a == b for a, b in zip(ref, outs))
             print(f"greedy outputs identical to ours: {name}: {same}/{len(outs)}")
-    full = [(s, f) for s, f, n in step_log if n >= 32]
+    full = [t for t in step_log if t.num_seqs >= 32]
     if full:
-        step, fwd = sum(s for s, _ in full), sum(f for _, f in full)
+        step, fwd = sum(t.total_s for t in full), sum(t.launch_s for t in full)
         print(f"step time outside the model forward at >= 32 running sequences: "
-              f"{(step - fwd) / step:.1%} over {len(full)} steps (median step {statistics.median(s for s, _ in full) * 1e3:.0f} ms)")
+              f"{(step - fwd) / step:.1%} over {len(full)} steps (median step "
+              f"{statistics.median(t.total_s for t in full) * 1e3:.0f} ms)")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "threads": torch.get_num_threads()}, indent=2))
     return 0

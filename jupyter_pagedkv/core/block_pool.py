@@ -3,7 +3,9 @@
 Free blocks wait in a doubly linked queue threaded through the blocks themselves. Allocation
 takes from the head; a block freed without a hash goes to the head (nothing worth keeping), a
 block freed with a hash goes to the tail, so the least recently used cached prefix is evicted
-first. A prefix-cache hit on a free block unlinks it from the middle of the queue in O(1).
+first. A prefix-cache hit on a free block unlinks it from the middle of the queue in O(1). The pool
+also keeps its block gauges (used, shared, cached, references) as counters updated on every
+transition, so reading them is O(1) however large the pool is.
 """
 from __future__ import annotations
 
@@ -106,6 +108,10 @@ class BlockPool:
         # Ids of blocks whose ref count or cached content changed since a monitor last drained
         # them (`drain_touched`), so a monitor's diff costs O(changes), not O(num_blocks).
         self.touched: set[int] = set()
+        self.num_used = 0        # blocks with ref >= 1
+        self.num_shared = 0      # blocks with ref >= 2
+        self.num_refs = 0        # sum of ref counts: blocks the live tables would hold unshared
+        self.num_cached = 0      # ref 0 but holding a reusable prefix
 
     # -- allocation -------------------------------------------------------------------------
     @property
@@ -115,36 +121,50 @@ class BlockPool:
 
     def allocate(self) -> Block:
         """Take the head of the free queue, evicting its cached prefix if it holds one."""
-        block = self.free_queue.popleft()
-        if block.block_hash is not None:
-            self._evict(block)
-        block.ref_count = 1
-        self.touched.add(block.block_id)
-        return block
+        return self._claim(self.free_queue.popleft())
 
     def take(self, block_id: int) -> Block:
         """Allocate one particular free block (the contiguous baseline places runs itself)."""
         block = self.blocks[block_id]
         self.free_queue.remove(block)
+        return self._claim(block)
+
+    def _claim(self, block: Block) -> Block:
+        """A block just out of the free queue gets its first reference (and loses its prefix)."""
         if block.block_hash is not None:
+            self.num_cached -= 1
             self._evict(block)
         block.ref_count = 1
+        self.num_used += 1
+        self.num_refs += 1
+        self.touched.add(block.block_id)
         return block
 
     def incref(self, block: Block) -> None:
         """Share a block (fork or prefix hit); a cached free block leaves the free queue."""
         if block.ref_count == 0:
             self.free_queue.remove(block)
+            self.num_used += 1
+            if block.block_hash is not None:
+                self.num_cached -= 1
+        elif block.ref_count == 1:
+            self.num_shared += 1
         block.ref_count += 1
+        self.num_refs += 1
         self.touched.add(block.block_id)
 
     def free(self, block: Block) -> None:
         """Drop one reference; at zero the block becomes free but keeps its cached content."""
         assert block.ref_count > 0, f"double free of block {block.block_id}"
         block.ref_count -= 1
+        self.num_refs -= 1
         self.touched.add(block.block_id)
-        if block.ref_count == 0:
+        if block.ref_count == 1:
+            self.num_shared -= 1
+        elif block.ref_count == 0:
+            self.num_used -= 1
             if block.block_hash is not None:
+                self.num_cached += 1
                 self.free_queue.append(block)
             else:
                 self.free_queue.appendleft(block)
@@ -175,6 +195,8 @@ class BlockPool:
         block.block_hash, block.parent_hash = block_hash, parent_hash
         block.token_ids, block.extra_key = tuple(token_ids), extra_key
         self.cached[block_hash] = block
+        if block.ref_count == 0:
+            self.num_cached += 1
         self.touched.add(block.block_id)
         return True
 
@@ -192,6 +214,7 @@ class BlockPool:
             self.touched.add(block.block_id)
             if block.ref_count == 0:
                 # An unhashed free block belongs at the head of the queue.
+                self.num_cached -= 1
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
             dropped += 1
@@ -211,7 +234,8 @@ class BlockPool:
                            count=self.num_blocks)
 
     def check_invariants(self, expected_refs: Counter[int]) -> None:
-        """Invariants 1-3 of DESIGN.md; `expected_refs` counts the block tables pointing at each block."""
+        """Invariants 1-3 (docs/design.md) and the gauge counters; `expected_refs` counts the
+        block tables pointing at each block."""
         free_ids = set()
         for block in self.free_queue:
             assert block.block_id not in free_ids, f"block {block.block_id} twice in the free queue"
@@ -234,3 +258,9 @@ class BlockPool:
                 f"block {block.block_id}: content does not match its hash")
         hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         assert hashed == len(self.cached), "a block carries a hash that the cache does not index"
+        refs = [b.ref_count for b in self.blocks]
+        counted = (sum(r > 0 for r in refs), sum(r > 1 for r in refs), sum(refs),
+                   sum(1 for b in self.blocks if b.ref_count == 0 and b.block_hash is not None))
+        assert (self.num_used, self.num_shared, self.num_refs, self.num_cached) == counted, (
+            f"gauge counters (used, shared, refs, cached) {(self.num_used, self.num_shared, self.num_refs, self.num_cached)} "
+            f"but the blocks say {counted}")

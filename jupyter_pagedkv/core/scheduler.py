@@ -124,6 +124,16 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (n > 1 samples, a beam): it already holds its
+        blocks (shared through `BlockTable.fork`), so it joins `running` directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
     @property
     def live(self) -> list[Sequence]:
         return [*self.running, *self.waiting, *self.swapped]

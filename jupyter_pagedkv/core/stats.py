@@ -1,8 +1,26 @@
-"""The engine's gauges: one definition of every number a monitor, `%pagedkv status` or a
-benchmark shows, computed in one place (under the engine's lock, as one snapshot)."""
+"""The engine's gauges: one definition of every number that a monitor, `%pagedkv status`, the
+JupyterLab panel or a benchmark shows, computed in one place.
+
+`engine_stats` reads the pool's O(1) block counters, the scheduler's queues and the engine's
+counters; the engine calls it under its lock, so every gauge describes the same instant, and
+every view (monitor feed, status line, panel) shows that one object. Nothing here is O(num_blocks):
+a monitor may ask ten times a second of a 100,000-block pool.
+"""
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence as Seq
+
+if TYPE_CHECKING:
+    from .block_pool import BlockPool
+    from .scheduler import Scheduler
+    from .sequence import Sequence
+
+# Generated tokens per second are averaged over the steps of the last this-many seconds.
+THROUGHPUT_WINDOW_S = 10.0
+BLOCK_STATES = ("free", "cached", "used", "shared")
 
 
 @dataclass
@@ -49,6 +67,9 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
+    # Blocks per state ("free", "cached", "used", "shared", ...), for legends and block maps.
+    states: dict[str, int] = field(default_factory=dict)
+    num_steps: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -66,7 +87,7 @@ class EngineStats:
             f"({self.prefix_hit_rate:.1%})",
             f"requests: {self.num_running} running, {self.num_waiting} waiting, "
             f"{self.num_finished} finished, {self.num_preemptions} preemptions",
-            f"recent throughput: {self.tokens_per_s:.1f} generated tokens/s (last 10 s of steps)",
+            f"recent throughput: {self.tokens_per_s:.1f} generated tokens/s (last {THROUGHPUT_WINDOW_S:.0f} s of steps)",
         ]
         if self.spec_proposed_tokens:
             lines.append(f"speculative: {self.spec_accepted_tokens} / {self.spec_proposed_tokens} draft "
@@ -78,3 +99,151 @@ class EngineStats:
             lines.append(f"latency: TTFT p50 {ttft['p50']*1e3:.0f} ms / p99 {ttft['p99']*1e3:.0f} ms, "
                          f"end-to-end p50 {lat['p50']:.2f} s / p99 {lat['p99']:.2f} s")
         return "\n".join(lines)
+
+
+class Throughput:
+    """Generated tokens per second over the steps of the last `window` seconds."""
+
+    def __init__(self, window: float = THROUGHPUT_WINDOW_S) -> None:
+        self.window = window
+        self._steps: deque[tuple[float, int]] = deque()
+
+    def record(self, now: float, tokens: int) -> None:
+        self._steps.append((now, tokens))
+        while self._steps and now - self._steps[0][0] > self.window:
+            self._steps.popleft()
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.perf_counter() if now is None else now
+        steps = [(t, n) for t, n in self._steps if now - t <= self.window]
+        if len(steps) < 2:
+            return 0.0
+        span = steps[-1][0] - steps[0][0]
+        return sum(n for _, n in steps[1:]) / span if span > 0 else 0.0
+
+
+@dataclass
+class EngineCounters:
+    """What the engine counts as it steps (everything else is read off the pool and queues)."""
+
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_finished: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    throughput: Throughput = field(default_factory=Throughput)
+
+    def record_step(self, now: float, tokens: int, step_s: float, forward_s: float) -> None:
+        self.num_steps += 1
+        self.num_generated_tokens += tokens
+        self.step_time_s += step_s
+        self.forward_time_s += forward_s
+        self.throughput.record(now, tokens)
+
+
+def percentiles(samples: dict[str, Iterable[float | None]]) -> dict[str, dict[str, float]]:
+    """p50 / p90 / p99 of each named sample (None values skipped), nearest rank."""
+    result = {}
+    for name, values in samples.items():
+        ordered = sorted(v for v in values if v is not None)
+        if ordered:
+            pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+            result[name] = {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    return result
+
+
+def latency_percentiles(metrics: Iterable[Any]) -> dict[str, dict[str, float]]:
+    """TTFT, TPOT and end-to-end percentiles over finished requests' metrics."""
+    metrics = list(metrics)
+    return percentiles({name: [getattr(m, name) for m in metrics] for name in ("ttft", "tpot", "latency")})
+
+
+def internal_waste(seqs: Iterable[Sequence], block_size: int) -> int:
+    """Slots held but not filled: each partly filled last block (once, however many sequences
+    share it) plus, for the contiguous baseline, reserved blocks beyond a sequence's tokens.
+
+    O(sequences): a block is partly filled only at the end of a table (copy-on-write gives a
+    writer its own copy before it fills a shared block further)."""
+    partial: dict[int, int] = {}
+    waste = 0
+    for seq in seqs:
+        table = seq.block_table
+        if not table.blocks:
+            continue
+        filled = -(-table.num_slots // block_size)
+        waste += (len(table.blocks) - filled) * block_size
+        used = table.num_slots % block_size
+        if used:
+            block_id = table.blocks[filled - 1].block_id
+            partial[block_id] = max(partial.get(block_id, 0), used)
+    return waste + sum(block_size - used for used in partial.values())
+
+
+def occupancy(pool: BlockPool, seqs: Iterable[Sequence]) -> tuple[int, int]:
+    """(token slots filled, slots held) by the sequences holding the pool's blocks; a shared
+    block counts once, so sharing shows as higher utilisation, never above 100%."""
+    held = pool.num_used * pool.block_size
+    return held - internal_waste(seqs, pool.block_size), held
+
+
+def num_preempted(scheduler: Scheduler) -> int:
+    """Sequences preempted and not yet running again: waiting to recompute, or swapped out."""
+    return sum(1 for s in scheduler.waiting if s.num_preemptions) + len(scheduler.swapped)
+
+
+def engine_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters, *,
+                 num_swapped_blocks: int = 0, speculative: Any = None,
+                 finished: Iterable[Any] = (), now: float | None = None) -> EngineStats:
+    """Every gauge at this instant (call it under the engine's lock). `speculative` is the
+    speculator's counters (drafts proposed / kept); `finished` the metrics of finished requests."""
+    n, bs = pool.num_blocks, pool.block_size
+    live = scheduler.live
+    tokens_stored, slots = occupancy(pool, live)
+    spec = {}
+    if speculative is not None:
+        spec = dict(spec_num_verifications=speculative.num_verifications,
+                    spec_proposed_tokens=speculative.num_proposed,
+                    spec_accepted_tokens=speculative.num_accepted,
+                    spec_acceptance_rate=speculative.acceptance_rate,
+                    spec_mean_accepted_length=speculative.mean_accepted_length)
+    num_free = n - pool.num_used - pool.num_cached
+    states = {"free": num_free, "cached": pool.num_cached, "used": pool.num_used - pool.num_shared,
+              "shared": pool.num_shared}
+    return EngineStats(
+        num_blocks=n, block_size=bs, num_free=num_free, num_used=pool.num_used,
+        num_cached=pool.num_cached, num_shared=pool.num_shared, kv_cache_usage=pool.num_used / n,
+        tokens_stored=tokens_stored, slots_allocated=slots, internal_waste=slots - tokens_stored,
+        prefix_cache_queries=pool.prefix_cache_queries, prefix_cache_hits=pool.prefix_cache_hits,
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        num_preempted=num_preempted(scheduler), num_preemptions=scheduler.num_preemptions,
+        num_swapped_blocks=num_swapped_blocks, tokens_per_s=counters.throughput.rate(now),
+        num_generated_tokens=counters.num_generated_tokens, num_finished=counters.num_finished,
+        latency_percentiles=latency_percentiles(finished), num_block_refs=pool.num_refs,
+        states={k: v for k, v in states.items() if v}, num_steps=counters.num_steps, **spec)
+
+
+def block_state(block) -> str:
+    """'shared' (ref > 1), 'used' (ref 1), 'cached' (ref 0, holds a reusable prefix) or 'free'."""
+    if block.ref_count > 1:
+        return "shared"
+    if block.ref_count == 1:
+        return "used"
+    return "cached" if block.block_hash is not None else "free"
+
+
+def pool_snapshot(pool: BlockPool, seqs: Seq[Sequence], block_ids: Iterable[int] | None = None) -> dict:
+    """Per-block state, ref count and owning request ids (all blocks, or `block_ids` in that
+    order, echoed as "block_ids": then O(listed blocks + live table entries))."""
+    blocks = pool.blocks if block_ids is None else [pool.blocks[i] for i in block_ids]
+    wanted = None if block_ids is None else {b.block_id for b in blocks}
+    owners: dict[int, list[str]] = {}
+    for seq in seqs:
+        for block in seq.block_table.blocks:
+            if wanted is None or block.block_id in wanted:
+                owners.setdefault(block.block_id, []).append(seq.request_id)
+    snap = {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
+            "states": [block_state(b) for b in blocks], "ref_counts": [b.ref_count for b in blocks],
+            "owners": owners}
+    if block_ids is not None:
+        snap["block_ids"] = [b.block_id for b in blocks]
+    return snap

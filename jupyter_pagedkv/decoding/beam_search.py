@@ -185,8 +185,7 @@ def spawn(parent: Sequence, scheduler: Scheduler) -> Sequence:
                      num_cached_tokens=parent.num_cached_tokens,
                      block_hashes=list(parent.block_hashes), extra_key=parent.extra_key)
     if running:
-        child.status = SequenceStatus.RUNNING
-        scheduler.running.append(child)
+        scheduler.add_running(child)
     else:
         scheduler.add(child)
     return child

@@ -1,7 +1,8 @@
 """What the engine hands back for each request: outputs with metrics, and streamed increments."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from ..core.stats import EngineStats
 
 
 @dataclass
@@ -81,3 +82,59 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    # On the last delta of a request that failed (not one the caller aborted): what went wrong.
+    error: BaseException | None = None
+
+
+# -- read-only views for monitors, tables and front ends (see protocol.EngineClient) -----------
+@dataclass(frozen=True)
+class RequestRow:
+    """One line of a request table: what `%pagedkv requests` shows for a live or recent request."""
+
+    request_id: str
+    state: str                    # "waiting", "running", "swapped", "done", "failed"
+    prompt_tokens: int
+    output_tokens: int
+    blocks: int                   # KV blocks its first sample holds now
+    cached_tokens: int | None     # prompt tokens found in the prefix cache (None: not admitted yet)
+    ttft: float | None            # seconds
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is: model, device, dtype and the shape of its KV cache (for status lines
+    and panel titles). Fields a server does not report are None."""
+
+    name: str
+    device: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    summary: str                       # one line, as `%pagedkv load` / `status` print it
+    bytes_per_block: int | None = None
+    kv_bytes: int | None = None
+    polled: bool = False               # no step events (a server): monitors poll it
+    prefix_caching: bool | None = None
+    max_model_len: int | None = None
+    swap_blocks: int = 0               # host slots for swapped-out blocks (swap preemption)
+
+
+@dataclass
+class Observation:
+    """One consistent look at an engine for a monitor: the gauges, and which blocks changed.
+
+    `touched` lists the blocks changed since the previous observation (None: unknown, so compare
+    them all); `snapshot` covers the touched blocks, or every block when `touched` is None or a
+    full scan was asked for."""
+
+    num_steps: int
+    stats: EngineStats
+    touched: list[int] | None
+    snapshot: dict | None
+    waited_s: float = 0.0              # time spent waiting for the engine's lock (a step running)

@@ -9,36 +9,43 @@ N ms (at least 100) until {"request": "unsubscribe"} or the comm closes, long ce
 (the one the notebook widget uses): a full frame, then only the changed blocks, at most 10 a
 second; frames are {"response": "frame", ...} with the arrays as binary buffers, and
 {"response": "frame", "loaded": false} when no engine is (or stays) loaded.
+
+Which engine the channel shows is the caller's business (`get_engine`: the kernel session's,
+passed in by the notebook layer that registers the target); the channel reads it only through
+`EngineClient`.
 """
 from __future__ import annotations
 
-import dataclasses
+import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..notebook.session import KernelSession, current
+from .feed import feed_for, gauges
+
+if TYPE_CHECKING:
+    from ..protocol import EngineClient
 
 TARGET = "jupyter_pagedkv.monitor"
+logger = logging.getLogger(__name__)
+GetEngine = Callable[[], "EngineClient | None"]
 
 
-def snapshot(session: KernelSession) -> dict[str, Any]:
+def snapshot(engine: EngineClient | None) -> dict[str, Any]:
     """JSON-ready state: {"loaded": False} without an engine, else model, stats and pool."""
-    engine = session.engine
     if engine is None:
         return {"loaded": False}
-    gauges = engine.stats()
-    stats = dataclasses.asdict(gauges)
-    stats["prefix_hit_rate"] = gauges.prefix_hit_rate
-    pool = engine.pool_snapshot()
+    stats = engine.stats()
+    pool = dict(engine.pool_snapshot())
     pool["owners"] = {str(k): v for k, v in pool["owners"].items()}   # JSON keys are strings
-    return {"loaded": True, "model": engine.name, "device": engine.device.type,
-            "dtype": str(engine.dtype).replace("torch.", ""), "stats": stats, "pool": pool}
+    info = engine.info()
+    return {"loaded": True, "model": info.name, "device": info.device, "dtype": info.dtype,
+            "stats": gauges(stats), "pool": pool}
 
 
-def handle_message(data: dict, session: KernelSession) -> dict[str, Any]:
+def handle_message(data: dict, engine: EngineClient | None) -> dict[str, Any]:
     """The answer to one message from the front end."""
     if isinstance(data, dict) and data.get("request") == "snapshot":
-        return {"response": "snapshot", **snapshot(session)}
+        return {"response": "snapshot", **snapshot(engine)}
     return {"response": "error",
             "error": 'unknown request: send {"request": "snapshot" | "subscribe" | "unsubscribe"}'}
 
@@ -46,8 +53,8 @@ def handle_message(data: dict, session: KernelSession) -> dict[str, Any]:
 class Pusher:
     """Sends a snapshot on one comm every `interval` seconds from a daemon thread until stopped."""
 
-    def __init__(self, comm, interval: float, get_session: Callable[[], KernelSession]) -> None:
-        self.comm, self.interval, self.get_session = comm, interval, get_session
+    def __init__(self, comm, interval: float, get_engine: GetEngine) -> None:
+        self.comm, self.interval, self.get_engine = comm, interval, get_engine
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="pagedkv-monitor")
         self.thread.start()
@@ -55,8 +62,9 @@ class Pusher:
     def _run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
-                self.comm.send({"response": "snapshot", **snapshot(self.get_session())})
+                self.comm.send({"response": "snapshot", **snapshot(self.get_engine())})
             except Exception:   # the comm is gone: nobody to push to
+                logger.info("monitor channel: stopped pushing snapshots (the comm failed)", exc_info=True)
                 return
 
     def stop(self) -> None:
@@ -71,7 +79,7 @@ class FeedSubscription:
 
     def __init__(self, comm, engine) -> None:
         self.comm, self.engine = comm, engine
-        self.feed = engine.monitor_feed
+        self.feed = feed_for(engine)
         self.token = self.feed.subscribe(self._send)
 
     def _send(self, frame) -> None:
@@ -79,14 +87,15 @@ class FeedSubscription:
             self.comm.send({"response": "frame", "loaded": False})
             return
         data, buffers = frame.to_message()
-        data.update(loaded=True, model=self.engine.name, device=self.engine.device.type)
+        info = self.engine.info()
+        data.update(loaded=True, model=info.name, device=info.device)
         self.comm.send(data, buffers=buffers)
 
     def stop(self) -> None:
         self.feed.unsubscribe(self.token)
 
 
-def open_comm(comm, open_msg: dict, get_session: Callable[[], KernelSession] = current) -> None:
+def open_comm(comm, open_msg: dict, get_engine: GetEngine) -> None:
     """Comm target callback: answer every message on this comm; push snapshots when subscribed."""
     pusher: list[Pusher | FeedSubscription] = []
 
@@ -100,7 +109,7 @@ def open_comm(comm, open_msg: dict, get_session: Callable[[], KernelSession] = c
         request = data.get("request") if isinstance(data, dict) else None
         if request == "subscribe" and data.get("diffs"):
             stop()
-            engine = get_session().engine
+            engine = get_engine()
             if engine is None:
                 comm.send({"response": "frame", "loaded": False})
             else:
@@ -108,25 +117,27 @@ def open_comm(comm, open_msg: dict, get_session: Callable[[], KernelSession] = c
         elif request == "subscribe":
             stop()
             interval = max(0.1, float(data.get("interval_ms", 500)) / 1000)
-            pusher.append(Pusher(comm, interval, get_session))
+            pusher.append(Pusher(comm, interval, get_engine))
             comm.send({"response": "subscribed", "interval_ms": round(interval * 1000)})
         elif request == "unsubscribe":
             stop()
             comm.send({"response": "unsubscribed"})
         else:
-            comm.send(handle_message(data, get_session()))
+            comm.send(handle_message(data, get_engine()))
 
     comm.on_close(lambda msg: stop())
 
 
-def register(ip) -> bool:
+def register(ip, get_engine: GetEngine) -> bool:
     """Register the target when `ip` runs inside a kernel with comm support; False otherwise."""
     if getattr(ip, "kernel", None) is None:
         return False
     try:
         import comm
         manager = comm.get_comm_manager()
-        manager.register_target(TARGET, open_comm)
+        manager.register_target(TARGET, lambda c, msg: open_comm(c, msg, get_engine))
     except Exception:   # a kernel without comms: the magics still work, the panel cannot connect
+        logger.warning("monitor channel: this kernel has no comms; the JupyterLab panel cannot "
+                       "connect", exc_info=True)
         return False
     return True

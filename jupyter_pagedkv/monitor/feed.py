@@ -1,19 +1,24 @@
-"""MonitorFeed: the engine's block pool as a stream of small frames for live monitors.
+"""MonitorFeed: an engine's block pool as a stream of small frames for live monitors.
 
-One feed per engine (`Engine.monitor_feed`), shared by every monitor: the notebook widget and the
-JupyterLab side panel. A subscriber first gets a full frame, then diffs that carry only the blocks
-whose state, ref count or owners changed. The stepping thread does nothing but set an Event after
-each step (`Engine.add_step_listener`); the feed's own thread builds and sends the frames, at most
-once per `interval` (10 Hz), so a slow front end never holds up a step. Which blocks to re-read
-comes from `BlockPool.touched` (O(changes), not O(num_blocks)); after `resync_interval` seconds of
-activity (longer for big pools) a full comparison also catches states that change without a
-ref-count change.
+One feed per engine (`feed_for(engine)`, also `engine.monitor_feed`), shared by every monitor: the
+notebook widget and the JupyterLab side panel. A subscriber first gets a full frame, then diffs
+that carry only the blocks whose state, ref count or owners changed. The feed reads its engine
+only through `EngineClient.observe()`: the gauges (computed once, in `core.stats`) and the blocks
+touched since the last look (O(changes), not O(num_blocks)). The stepping thread does nothing but
+set an Event after each step (`add_step_listener`); the feed's own thread builds and sends the
+frames, at most once per `interval` (10 Hz), so a slow front end never holds up a step. After
+`resync_interval` seconds of activity (longer for big pools) a full comparison also catches
+states that change without a ref-count change. A server client has no steps and reports no
+touched blocks: its feed polls every `interval` and compares everything.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -21,7 +26,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..core.stats import EngineStats
+    from ..protocol import EngineClient
+
+logger = logging.getLogger(__name__)
 
 # Known states get fixed codes, so colours stay put; any other state name a snapshot reports
 # (new engine features) is appended to the legend on first sight and drawn generically.
@@ -81,29 +89,24 @@ Subscriber = Callable[[Frame | None], None]   # None: the engine is gone, no mor
 class MonitorFeed:
     """Publishes the pool to subscribers: a full frame on subscribe, then throttled diffs."""
 
-    def __init__(self, engine: Engine, interval: float = 0.1, resync_interval: float = 5.0,
+    def __init__(self, engine: EngineClient, interval: float = 0.1, resync_interval: float = 5.0,
                  idle_poll: float = 0.5, threaded: bool = True) -> None:
         """threaded=False: no thread; the owner calls `publish()` (tests, cost measurements)."""
         self.engine = engine
         self.threaded = threaded
         self.interval, self.resync_interval, self.idle_poll = interval, resync_interval, idle_poll
-        n, self.block_size = self._pool_shape()
         self.legend: list[str] = list(KNOWN_STATES)
         self._code = {s: i for i, s in enumerate(self.legend)}
-        self.codes = np.zeros(n, dtype=np.uint8)
-        self.refs = np.zeros(n, dtype=np.uint8)
         self.owners: dict[int, list[str]] = {}
         self.seq = 0
         self.gauges: dict[str, Any] = {}
         self.history: deque[float] = deque(maxlen=240)
-        # Seconds per publish from taking the engine lock to the last send (the work), and seconds
-        # spent waiting for the lock (a step in progress), kept apart for the benchmark.
+        # Seconds per publish after the engine's lock was had (the work), and seconds spent
+        # waiting for that lock (a step in progress), kept apart for the benchmark.
         self.publish_times: deque[float] = deque(maxlen=1000)
         self.lock_wait_times: deque[float] = deque(maxlen=1000)
         self.num_frames = 0
-        self._generated: deque[tuple[float, int]] = deque()
         self._last_steps = -1
-        self._next_full = 0.0
         self._mutex = threading.RLock()          # publish vs subscribe: a diff never precedes its base
         self._subscribers: dict[int, Subscriber] = {}
         self._ids = itertools.count()
@@ -111,22 +114,19 @@ class MonitorFeed:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._prime()
+        # The first picture, before any subscriber.
+        obs = engine.observe(full=True)
+        n = obs.stats.num_blocks
+        self.block_size = obs.stats.block_size
+        self.codes = np.zeros(n, dtype=np.uint8)
+        self.refs = np.zeros(n, dtype=np.uint8)
+        self._compare(obs.snapshot, None)
+        self.gauges = gauges(obs.stats)
+        self._last_steps = obs.num_steps
         self._next_full = time.monotonic() + resync_interval
 
-    # -- what the feed reads from its engine (a server client's feed overrides these) -------------
-    def _pool_shape(self) -> tuple[int, int]:
-        return self.engine.pool.num_blocks, self.engine.block_size
-
-    def _prime(self) -> None:
-        """The first picture, before any subscriber."""
-        with self.engine._lock:
-            self.engine.pool.drain_touched()
-            self._compare(self.engine.pool_snapshot(), None)
-            self.gauges = self._gauges_locked()
-
     def _listen(self, on: bool) -> None:
-        """Wake on engine steps (on) or stop (off); without it the thread polls every idle_poll."""
+        """Wake on engine steps (on) or stop (off); without them the thread polls every idle_poll."""
         if on:
             self.engine.add_step_listener(self._wake.set)
         else:
@@ -166,8 +166,8 @@ class MonitorFeed:
         for send in subscribers:
             try:
                 send(None)
-            except Exception:
-                pass
+            except Exception:   # that front end is gone already
+                logger.debug("monitor feed: a subscriber failed on close", exc_info=True)
 
     def full_frame(self) -> Frame:
         """Everything as last published (diffs continue from here)."""
@@ -212,47 +212,41 @@ class MonitorFeed:
             try:
                 self.publish()
             except Exception:   # a monitor must never take the kernel down; try again next time
-                pass
+                logger.warning("monitor feed: publishing a frame failed; retrying", exc_info=True)
             last = time.monotonic()
 
     # -- building frames -------------------------------------------------------------------------
     def publish(self, full_scan: bool = False) -> Frame | None:
         """Build the diff since the last frame and send it; None when nothing changed."""
         t0 = time.perf_counter()
-        engine = self.engine
         with self._mutex:
-            with engine._lock:
-                t_locked = time.perf_counter()
-                touched = engine.pool.drain_touched()
-                stepped = engine.num_steps != self._last_steps
-                now = time.monotonic()
-                if not full_scan and (touched or stepped) and now >= self._next_full:
-                    full_scan = True
-                if not touched and not stepped and not full_scan:
-                    return None
-                self._last_steps = engine.num_steps
-                if full_scan:
-                    snap = engine.pool_snapshot()
-                    # A full scan holds the engine lock for O(num_blocks) (tens of ms at 100,000
-                    # blocks): space them out so they take at most ~0.5% of the time.
-                    cost = time.perf_counter() - t_locked
-                    self._next_full = now + max(self.resync_interval, 200 * cost)
-                elif touched:
-                    snap = engine.pool_snapshot(sorted(touched))
-                else:
-                    snap = None
-                live = self._live_counts_locked()
-            changed = [] if snap is None else self._compare(snap, None if full_scan else snap["block_ids"])
-            frame = self._emit(changed, live)
-            self.publish_times.append(time.perf_counter() - t_locked)
-            self.lock_wait_times.append(t_locked - t0)
+            obs = self.engine.observe(full=full_scan)
+            waited = obs.waited_s
+            polled = obs.touched is None        # a server: no touched set, compare everything
+            stepped = obs.num_steps != self._last_steps
+            if not (polled or full_scan or obs.touched or stepped):
+                return None
+            now = time.monotonic()
+            if not full_scan and not polled and now >= self._next_full:
+                t_full = time.perf_counter()
+                obs = self.engine.observe(full=True)
+                waited += obs.waited_s
+                # A full scan holds the engine lock for O(num_blocks) (tens of ms at 100,000
+                # blocks): space them out so they take at most ~0.5% of the time.
+                self._next_full = now + max(self.resync_interval, 200 * (time.perf_counter() - t_full))
+            self._last_steps = obs.num_steps
+            snap = obs.snapshot
+            changed = [] if snap is None else self._compare(snap, snap.get("block_ids"))
+            frame = self._emit(changed, obs.stats)
+            self.publish_times.append(time.perf_counter() - t0 - waited)
+            self.lock_wait_times.append(waited)
             return frame
 
-    def _emit(self, changed: list[int], live: dict[str, Any]) -> Frame:
-        """New gauges from `live` counts, then a diff frame of the `changed` blocks to everyone
-        (called under the mutex, after `_compare` folded the new snapshot in)."""
+    def _emit(self, changed: list[int], stats: EngineStats) -> Frame:
+        """New gauges, then a diff frame of the `changed` blocks to everyone (called under the
+        mutex, after `_compare` folded the new snapshot in)."""
         prev = self.seq
-        self.gauges = self._gauges(live)
+        self.gauges = gauges(stats)
         self.history.append(self.gauges["kv_cache_usage"])
         self.seq += 1
         ids = np.asarray(changed, dtype=np.uint32)
@@ -263,12 +257,18 @@ class MonitorFeed:
             try:
                 send(frame)
             except Exception:   # that front end is gone
+                logger.info("monitor feed: dropping a subscriber whose send failed", exc_info=True)
                 self._subscribers.pop(token, None)
         self.num_frames += 1
         return frame
 
     def _compare(self, snap: dict, block_ids: list[int] | None) -> list[int]:
         """Fold a (partial) pool snapshot into the published arrays; return the ids that changed."""
+        if block_ids is None and len(snap["states"]) != len(self.codes):
+            # A server's map keeps its first size: extra blocks are not drawn, missing ones are free.
+            n = len(self.codes)
+            snap = {**snap, "states": (list(snap["states"]) + ["free"] * n)[:n],
+                    "ref_counts": (list(snap["ref_counts"]) + [0] * n)[:n]}
         ids = np.arange(len(self.codes)) if block_ids is None else np.asarray(block_ids, dtype=np.int64)
         codes = np.fromiter((self._code_of(s) for s in snap["states"]), dtype=np.uint8, count=len(ids))
         refs = np.minimum(np.asarray(snap["ref_counts"], dtype=np.int64), 255).astype(np.uint8)
@@ -295,61 +295,27 @@ class MonitorFeed:
             self.legend.append(state)
         return code
 
-    def _live_counts_locked(self) -> dict[str, Any]:
-        """What the gauges need from the scheduler and pool, read under the engine lock."""
-        e = self.engine
-        sched, bs = e.scheduler, e.block_size
-        partial: dict[int, int] = {}      # a sequence's last, partly filled block -> most slots used
-        for seq in sched.live:
-            table = seq.block_table
-            used = table.num_slots % bs
-            if used and table.blocks:
-                block_id = table.blocks[-1].block_id
-                partial[block_id] = max(partial.get(block_id, 0), used)
-        return {
-            "partial_slots": sum(bs - n for n in partial.values()),
-            "prefix_cache_queries": e.pool.prefix_cache_queries,
-            "prefix_cache_hits": e.pool.prefix_cache_hits,
-            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
-            "num_preempted": sum(1 for s in sched.waiting if s.num_preemptions) + len(sched.swapped),
-            "num_preemptions": sched.num_preemptions,
-            "num_swapped_blocks": e.swap.num_used if e.swap is not None else 0,
-            "num_generated_tokens": e.num_generated_tokens,
-            # Speculative decoding: drafts proposed / kept since the engine started.
-            "spec_proposed_tokens": e.speculator.stats.num_proposed,
-            "spec_accepted_tokens": e.speculator.stats.num_accepted,
-            "spec_acceptance_rate": e.speculator.stats.acceptance_rate,
-            "spec_mean_accepted_length": e.speculator.stats.mean_accepted_length,
-        }
 
-    def _gauges_locked(self) -> dict[str, Any]:
-        return self._gauges(self._live_counts_locked())
+def gauges(stats: EngineStats) -> dict[str, Any]:
+    """A frame's gauges: the engine's own stats object, as JSON (plus the prefix hit rate), so the
+    widget, the panel and `%pagedkv status` show the same numbers for the same instant."""
+    out = dataclasses.asdict(stats)
+    out["prefix_hit_rate"] = stats.prefix_hit_rate
+    return out
 
-    def _gauges(self, live: dict[str, Any]) -> dict[str, Any]:
-        """EngineStats' block gauges, computed from the published arrays (O(num_blocks) in numpy)."""
-        n, bs = len(self.codes), self.block_size
-        counts = np.bincount(self.codes, minlength=len(self.legend))
-        num_used = int(np.count_nonzero(self.refs))
-        num_shared = int(np.count_nonzero(self.refs > 1))
-        slots = num_used * bs
-        now = time.monotonic()
-        self._generated.append((now, live["num_generated_tokens"]))
-        while len(self._generated) > 2 and now - self._generated[0][0] > 3.0:
-            self._generated.popleft()
-        (t_a, g_a), (t_b, g_b) = self._generated[0], self._generated[-1]
-        queries = live["prefix_cache_queries"]
-        return {
-            "num_blocks": n, "block_size": bs,
-            "states": {s: int(c) for s, c in zip(self.legend, counts) if c},
-            "num_free": int(counts[self._code["free"]]), "num_cached": int(counts[self._code["cached"]]),
-            "num_used": num_used, "num_shared": num_shared, "kv_cache_usage": num_used / n,
-            "slots_allocated": slots, "tokens_stored": slots - live["partial_slots"],
-            "internal_waste": live["partial_slots"],
-            "prefix_hit_rate": live["prefix_cache_hits"] / queries if queries else 0.0,
-            **{k: live[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "num_running",
-                                    "num_waiting", "num_preempted", "num_preemptions",
-                                    "num_swapped_blocks", "num_generated_tokens",
-                                    "spec_proposed_tokens", "spec_accepted_tokens",
-                                    "spec_acceptance_rate", "spec_mean_accepted_length")},
-            "tokens_per_s": (g_b - g_a) / (t_b - t_a) if t_b > t_a else 0.0,
-        }
+
+_feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_feeds_lock = threading.Lock()
+
+
+def feed_for(engine: EngineClient, **kwargs) -> MonitorFeed:
+    """The one feed of `engine`, created on first use (`kwargs` then apply) and closed when the
+    engine shuts down. An engine without step events (a server) is polled every half second."""
+    with _feeds_lock:
+        feed = _feeds.get(engine)
+        if feed is None or feed._closed:
+            if engine.info().polled:
+                kwargs = {"interval": 0.5, "idle_poll": 0.5, "resync_interval": 0.0, **kwargs}
+            feed = _feeds[engine] = MonitorFeed(engine, **kwargs)
+            engine.add_shutdown_listener(feed.close)
+        return feed

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from .. import Engine, SamplingParams
+from ..core.sampling_params import SamplingParams
+from ..engine.engine import Engine
 
 QUESTIONS = [
     "Hi!",
@@ -29,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(args.model)
+    info = engine.info()
     print(f"loaded {engine.name} in {time.perf_counter() - t0:.1f} s: {engine!r}, "
-          f"{engine.kv_cache.nbytes / 2**20:.0f} MiB of KV ({engine.spec.bytes_per_token} bytes/token)")
+          f"{info.kv_bytes / 2**20:.0f} MiB of KV ({info.bytes_per_block // info.block_size} bytes/token)")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     t1 = time.perf_counter()
     ids = [engine.add_request(engine.apply_chat_template([{"role": "user", "content": q}]), params)

@@ -5,30 +5,24 @@ show them all. A user mistake is one UsageError line that says what to do, never
 """
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 import sys
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .session import NO_ENGINE, KernelSession, current, format_bytes
+from ..config import EngineConfig, changed_flags, format_bytes, from_arguments
+from .session import NO_ENGINE, KernelSession, current
+from .options import (SESSION_NAME, beam_params, interpolate, load_arguments, parse_connect, parse_line,
+                      sampling_arguments, split_prompts, unescape)
 from .text_views import block_map, requests_table
 from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
                         Renderer, WidgetRenderer)
 
 COMMANDS = ("load", "unload", "status", "requests", "reset-cache", "monitor", "bench", "plan", "help")
-LOAD_OPTIONS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
-                "no_prefix_caching", "preemption", "allocator", "speculative", "num_speculative_tokens",
-                "no_pack_weights")
-DEFAULT_MAX_TOKENS = 128
-_FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)*)\}")
-_SEPARATOR = re.compile(r"^[ \t]*---[ \t]*$", re.MULTILINE)
-_SESSION_NAME = re.compile(r"^[\w.-]+$")
-
 HELP = """\
 jupyter-pagedkv magics (one engine per kernel, shared by every cell):
   %pagedkv load [MODEL] [options]   load a model (default: the embedded SmolLM2-135M-Instruct)
@@ -51,91 +45,6 @@ jupyter-pagedkv magics (one engine per kernel, shared by every cell):
 All options: %pagedkv?  %%generate?  %%chat?"""
 
 
-def interpolate(text: str, namespace: dict[str, Any]) -> str:
-    """Replace {name} and {name.attr} from the user namespace; other braces stay as written."""
-    def sub(m: re.Match) -> str:
-        if m.group(0) in ("{{", "}}"):
-            return m.group(0)[0]
-        name = m.group(1)
-        if name not in namespace:
-            raise UsageError(f"the prompt uses {{{name}}} but {name!r} is not defined: define it, "
-                             f"or write {{{{{name}}}}} for literal braces")
-        value = namespace[name]
-        for attr in filter(None, m.group(2).split(".")):
-            if not hasattr(value, attr):
-                raise UsageError(f"the prompt uses {m.group(0)} but {name}{m.group(2)} does not exist")
-            value = getattr(value, attr)
-        return str(value)
-    return _FIELD.sub(sub, text)
-
-
-def split_prompts(cell: str) -> list[str]:
-    """Prompts separated by lines holding only `---`; each is stripped and must not be empty."""
-    parts = [p.strip() for p in _SEPARATOR.split(cell)]
-    if not any(parts):
-        raise UsageError("the cell is empty: write the prompt below the magic line")
-    if not all(parts):
-        raise UsageError("an empty prompt next to a `---` line: remove the extra separator")
-    return parts
-
-
-def parse_connect(rest: str):
-    """`%pagedkv connect` options; a mistake is one UsageError line."""
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):
-            raise UsageError(f"{message} (e.g. %pagedkv connect http://127.0.0.1:8000 --model NAME)")
-
-    p = Parser(prog="%pagedkv connect", add_help=False)
-    p.add_argument("url")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--kv-events", default=None, metavar="ENDPOINT")
-    p.add_argument("--kv-events-topic", default="")
-    try:
-        argv = shlex.split(rest)
-    except ValueError as err:
-        raise UsageError(f"cannot read the options: {err} (check the quotes)") from None
-    return p.parse_args(argv)
-
-
-def parse_line(magic: Callable, line: str):
-    """Parse a magic's options with shell quoting (`--system "Be brief."` loses its quotes, unlike
-    IPython's own splitter); every mistake is one UsageError line."""
-    try:
-        argv = shlex.split(line)
-    except ValueError as err:
-        raise UsageError(f"cannot read the options: {err} (check the quotes)") from None
-    return magic.parser.parse_args(argv)
-
-
-def _unescape(s: str) -> str:
-    """Let `--stop "\\n"` mean a newline, as a user types it."""
-    return s.encode("utf-8").decode("unicode_escape") if "\\" in s else s
-
-
-def sampling_arguments(f: Callable) -> Callable:
-    """The options %%generate and %%chat share."""
-    for arg in reversed([
-        argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                 help=f"most tokens to generate per prompt (default {DEFAULT_MAX_TOKENS})"),
-        argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)"),
-        argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]"),
-        argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)"),
-        argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling"),
-        argument("--stop", action="append", default=None, metavar="S",
-                 help="stop when the text contains S (repeatable; \\n and \\t are understood)"),
-        argument("--system", default=None, metavar="TEXT", help="system message for the chat template"),
-        argument("--out", default=None, metavar="VAR",
-                 help="store the RequestOutput (a list for several prompts) in variable VAR"),
-        argument("--no-stream", action="store_true", help="show the text only when it is complete"),
-    ]):
-        f = arg(f)
-    return f
-
-
 @magics_class
 class PagedKVMagics(Magics):
     """Magics over the kernel's one engine (`jupyter_pagedkv.notebook.session.current()`)."""
@@ -150,24 +59,7 @@ class PagedKVMagics(Magics):
               help="load | unload | status | requests | reset-cache | monitor | bench | plan | help")
     @argument("model", nargs="?", default=None, metavar="MODEL",
               help="load: a Hugging Face model folder or cached id (default: embedded SmolLM2-135M-Instruct)")
-    @argument("--device", default="auto", help="load: cpu, cuda, cuda:1 ... (default auto)")
-    @argument("--dtype", default="auto", help="load: float32, bfloat16, float16 (default auto)")
-    @argument("--block-size", type=int, default=16, metavar="N", help="load: tokens per KV block (16)")
-    @argument("--num-blocks", type=int, default=None, metavar="N", help="load: KV blocks to allocate")
-    @argument("--kv-cache-memory", default=None, metavar="S",
-              help="load: KV memory instead of --num-blocks, e.g. 512MiB (CPU default 1GiB)")
-    @argument("--max-num-seqs", type=int, default=64, metavar="N", help="load: most running requests")
-    @argument("--no-prefix-caching", action="store_true", help="load: turn the prefix cache off")
-    @argument("--preemption", default="recompute", choices=("recompute", "swap"),
-              help="load: what to do when blocks run out")
-    @argument("--speculative", default=None, metavar="ngram|MODEL",
-              help="load: speculative decoding for every request (n-gram lookup or a draft model)")
-    @argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-              help="load: most draft tokens verified per step (4)")
-    @argument("--allocator", default="paged", choices=("paged", "contiguous"),
-              help="load: paged blocks, or the contiguous baseline")
-    @argument("--no-pack-weights", action="store_true",
-              help="load: plain torch GEMMs on the CPU (saves a packed copy of the weights; slower)")
+    @load_arguments
     @line_magic
     def pagedkv(self, line: str) -> None:
         """Load, inspect and release the kernel's paged KV-cache engine. `%pagedkv help` for a tour."""
@@ -176,9 +68,7 @@ class PagedKVMagics(Magics):
             return getattr(self, "_" + words[0])(words[1] if len(words) > 1 else "")
         args = parse_line(self.pagedkv, line)
         if args.command != "load":
-            parser = self.pagedkv.parser
-            given = [f"--{o.replace('_', '-')}" for o in LOAD_OPTIONS
-                     if getattr(args, o) != parser.get_default(o)]
+            given = changed_flags(args)
             if given or args.model is not None:
                 what = ", ".join(given) or repr(args.model)
                 raise UsageError(f"{what} only applies to `%pagedkv load`")
@@ -190,12 +80,11 @@ class PagedKVMagics(Magics):
     def _load(self, args) -> None:
         if args.num_blocks is not None and args.kv_cache_memory is not None:
             raise UsageError("give --num-blocks or --kv-cache-memory, not both")
-        kwargs = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
-                      num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-                      max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                      preemption_mode=args.preemption, allocator=args.allocator,
-                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                      pack_weights=False if args.no_pack_weights else None)
+        kwargs = from_arguments(args)
+        try:
+            EngineConfig(**kwargs)
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"cannot load: {err}") from None
         replaced = self.session.engine is not None
         try:
             self.session.load(args.model, **kwargs)
@@ -350,9 +239,9 @@ class PagedKVMagics(Magics):
         if args.n < 1:
             raise UsageError(f"--n must be >= 1, got {args.n}")
         if args.beams is not None:
-            params = _beam_params(args)
+            params = beam_params(args)
         texts = split_prompts(interpolate(cell, self.shell.user_ns))
-        has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+        has_template = engine.has_chat_template
         if args.system is not None and (args.raw or not has_template):
             raise UsageError("--system needs the chat template: drop --raw, or put the instruction "
                              "in the prompt" if args.raw else
@@ -386,7 +275,7 @@ class PagedKVMagics(Magics):
         As a line magic, `%chat SESSION --reset` only forgets the session."""
         args = parse_line(self.chat, line)
         name = args.session
-        if not _SESSION_NAME.match(name):
+        if not SESSION_NAME.match(name):
             raise UsageError(f"session name {name!r}: use letters, digits, '_', '-' or '.'")
         message = (cell or "").strip()
         if args.reset:
@@ -401,7 +290,7 @@ class PagedKVMagics(Magics):
             raise UsageError("no message: write it in the cell below `%%chat` (`%chat NAME --reset` "
                              "alone only resets)")
         engine = self.session.require_engine()
-        if not getattr(engine.tokenizer, "chat_template", None):
+        if not engine.has_chat_template:
             raise UsageError("this model's tokenizer has no chat template: use %%generate --raw")
         params = self._params(args)
         chat = self.session.chat(name)
@@ -424,7 +313,7 @@ class PagedKVMagics(Magics):
         try:
             return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                  stop=[_unescape(s) for s in args.stop or []])
+                                  stop=[unescape(s) for s in args.stop or []])
         except ValueError as err:
             raise UsageError(str(err).replace("max_tokens", "--max-tokens").replace("top_p", "--top-p")
                              .replace("top_k", "--top-k")) from None
@@ -462,12 +351,11 @@ class PagedKVMagics(Magics):
 
     def _raise_engine_error(self, run: CellRun) -> None:
         """An abort we did not ask for is an engine failure: show it, it is not the user's mistake."""
-        failed = {p.request_id for p in run.panels if p.output.finish_reason == "abort"}
-        for req in list(run.engine.finished_requests):
-            if req.request_id in failed and req.error is not None:
-                if type(req.error).__name__ == "RemoteError":   # network/server trouble: one line
-                    raise UsageError(str(req.error))
-                raise req.error
+        for panel in run.panels:
+            if panel.error is not None:
+                if type(panel.error).__name__ == "RemoteError":   # network/server trouble: one line
+                    raise UsageError(str(panel.error))
+                raise panel.error
 
     def _start_background(self, run: CellRun, prompts: Sequence, params, out_var: str | None,
                           no_stream: bool) -> None:
@@ -516,22 +404,6 @@ class FinalOnly:
     def update(self, panels: Sequence[Panel], final: bool) -> None:
         if final:
             self.inner.update(panels, final=True)
-
-
-def _beam_params(args):
-    """--beams B: deterministic beam search; sampling and stop options have no meaning there."""
-    from ..core.sampling_params import BeamSearchParams
-    if args.beams < 1:
-        raise UsageError(f"--beams must be >= 1, got {args.beams}")
-    clash = [name for name, used in (("--n", args.n != 1), ("--temperature", args.temperature != 0.0),
-                                     ("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
-                                     ("--seed", args.seed is not None), ("--stop", bool(args.stop)),
-                                     ("--speculative", args.speculative is not None))
-             if used]
-    if clash:
-        raise UsageError(f"--beams is deterministic and cannot be combined with {', '.join(clash)}: "
-                         f"drop {'it' if len(clash) == 1 else 'them'}")
-    return BeamSearchParams(beam_width=args.beams, max_tokens=args.max_tokens)
 
 
 def _short(text: str, width: int = 40) -> str:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
     from ..engine.outputs import RequestOutput
+    from ..protocol import EngineClient
     from .streaming import BackgroundJob
 
 NO_ENGINE = "no model loaded: run `%pagedkv load` (the embedded SmolLM2-135M-Instruct) or `%pagedkv load MODEL`"
@@ -41,14 +41,6 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def preflight(model: str | None, device: str, dtype: str) -> None:
@@ -105,21 +97,11 @@ class ChatSession:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.messages + [{"role": "user", "content": user_message}]
 
-    def prompt_ids(self, engine: Engine, user_message: str) -> list[int]:
-        """Token ids of the next prompt; extends the previous turn's tokens when the template allows."""
-        messages = self.conversation(user_message)
-        self.reused_tokens = False
-        if getattr(engine, "is_remote", False):
-            return engine.apply_chat_template(messages)   # the server templates the messages
-        if self.token_ids:
-            tok = engine.tokenizer
-            full = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            kept = tok.decode(self.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            if full.startswith(kept):
-                suffix = tok(full[len(kept):], add_special_tokens=False).input_ids
-                self.reused_tokens = True
-                return self.token_ids + list(suffix)
-        return engine.apply_chat_template(messages)
+    def prompt_ids(self, engine: EngineClient, user_message: str):
+        """The next prompt; extends the previous turn's tokens when the template allows (so they
+        hit the prefix cache), else the conversation templated afresh (a server: by the server)."""
+        prompt, self.reused_tokens = engine.chat_prompt(self.conversation(user_message), self.token_ids)
+        return prompt
 
     def record(self, user_message: str, output: RequestOutput) -> None:
         """Keep a finished turn; an aborted one is dropped as if never sent."""
@@ -139,17 +121,14 @@ class ChatSession:
 class KernelSession:
     """The engine of this kernel plus what the magics track around it."""
 
-    engine: Engine | None = None
+    engine: EngineClient | None = None
     chats: dict[str, ChatSession] = field(default_factory=dict)
     jobs: list[BackgroundJob] = field(default_factory=list)
     origins: dict[str, str] = field(default_factory=dict)   # request id -> "generate", "chat NAME", ...
     rss_before_load: int = 0      # RSS after importing torch + transformers, before any weights
     load_seconds: float = 0.0
-    local_engine: Engine | None = None   # kept aside while `engine` is a server client
-
-    @property
-    def connected(self) -> bool:
-        return getattr(self.engine, "is_remote", False)
+    local_engine: EngineClient | None = None   # kept aside while `engine` is a server client
+    connected: bool = False                  # `engine` is a server client (`%pagedkv connect`)
 
     def connect(self, url: str, **kwargs: Any) -> Any:
         """Point the magics at a vLLM server; the local engine (if any) waits for `disconnect`."""
@@ -159,7 +138,7 @@ class KernelSession:
             self.engine.shutdown()
         else:
             self.local_engine = self.engine
-        self.engine = client
+        self.engine, self.connected = client, True
         for chat in self.chats.values():
             chat.forget_tokens()
         return client
@@ -169,17 +148,18 @@ class KernelSession:
         if not self.connected:
             return None
         client, self.engine, self.local_engine = self.engine, self.local_engine, None
+        self.connected = False
         client.shutdown()
         for chat in self.chats.values():
             chat.forget_tokens()
         return client
 
-    def require_engine(self) -> Engine:
+    def require_engine(self) -> EngineClient:
         if self.engine is None:
             raise UsageError(NO_ENGINE)
         return self.engine
 
-    def load(self, model: str | None, progress: bool = True, **engine_kwargs: Any) -> Engine:
+    def load(self, model: str | None, progress: bool = True, **engine_kwargs: Any) -> EngineClient:
         """Replace the engine: unload the old one first (its memory back), then load and start."""
         preflight(model, engine_kwargs.get("device", "auto"), engine_kwargs.get("dtype", "auto"))
         self.disconnect()
@@ -228,17 +208,7 @@ class KernelSession:
 
     def summary_line(self) -> str:
         """Model, device, dtype, blocks x block size = capacity, bytes per block, KV memory."""
-        e = self.require_engine()
-        if self.connected:
-            return e.summary_line()
-        dtype = str(e.dtype).replace("torch.", "")
-        capacity = e.pool.num_blocks * e.block_size
-        return (f"{e.name} on {e.device.type} ({dtype}): {e.pool.num_blocks:,} blocks × {e.block_size} "
-                f"= {capacity:,} tokens of KV, {e.kv_cache.bytes_per_block:,} bytes per block, "
-                f"{format_bytes(e.kv_cache.nbytes)} KV memory, prefix caching "
-                f"{'on' if e.pool.enable_prefix_caching else 'off'}"
-                + (f", GEMMs on packed weights (+{format_bytes(e.runner.packed.nbytes)})"
-                   if e.runner.packed.layers else ""))
+        return self.require_engine().info().summary
 
     def chat(self, name: str) -> ChatSession:
         return self.chats.setdefault(name, ChatSession(name))

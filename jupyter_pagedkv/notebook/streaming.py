@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import html
+import logging
 import queue
 import sys
 import threading
@@ -17,10 +18,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..protocol import EngineClient
     from ..engine.outputs import RequestOutput, StreamDelta
     from ..core.sampling_params import SamplingParams
 
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class Panel:
@@ -30,6 +33,7 @@ class Panel:
     label: str
     text: str = ""
     output: RequestOutput | None = None
+    error: BaseException | None = None     # the engine failed this request (not an abort we asked)
 
     @property
     def finished(self) -> bool:
@@ -54,7 +58,7 @@ class Renderer(Protocol):
 class CellRun:
     """The requests of one cell: added with one shared listener, waited on and aborted together."""
 
-    def __init__(self, engine: Engine, labels: Sequence[str]) -> None:
+    def __init__(self, engine: EngineClient, labels: Sequence[str]) -> None:
         self.engine = engine
         self.queue: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
         self.panels: list[Panel] = []
@@ -96,6 +100,7 @@ class CellRun:
         panel.text += delta.text
         if delta.finished:
             panel.output = delta.output
+            panel.error = delta.error
             samples = delta.output.outputs
             # n > 1: sample 1 streamed; the others share its prompt blocks and appear after it.
             panel.text = "\n\n".join([samples[0].text] + [f"({o.index + 1}/{len(samples)}) {o.text}"
@@ -241,6 +246,7 @@ class BackgroundJob:
             if self.on_done is not None:
                 self.on_done(self.outputs)
         except BaseException as err:   # surfaced by `%pagedkv requests` / `.error`
+            logger.warning("%s (%s) failed", self.title, ", ".join(self.run.request_ids), exc_info=True)
             self.error = err
         finally:
             self.done.set()

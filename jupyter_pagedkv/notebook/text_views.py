@@ -2,27 +2,23 @@
 a block map, plain text so they read the same in a terminal, a notebook and a log."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .session import KernelSession
 
+if TYPE_CHECKING:
+    from ..protocol import EngineClient
 
-def requests_table(session: KernelSession, engine) -> str:
+
+def requests_table(session: KernelSession, engine: EngineClient) -> str:
     """Live requests, then the last finished ones; chat sessions and background jobs below."""
     rows = [("id", "source", "state", "prompt", "output", "blocks", "cached", "TTFT")]
-
-    def row(req, state: str) -> tuple:
-        seq = req.seqs[0]
-        ttft = req.metrics.ttft
-        return (req.request_id, session.origins.get(req.request_id, "python"), state,
-                str(len(req.prompt_token_ids)), str(seq.num_output_tokens),
-                str(len(seq.block_table.blocks)) if not seq.is_finished else "0",
-                "-" if seq.num_cached_tokens is None else str(seq.num_cached_tokens),
-                "-" if ttft is None else f"{ttft * 1e3:.0f} ms")
-
-    for req in engine.live_requests():
-        rows.append(row(req, req.seqs[0].status.value))
-    for req in list(engine.finished_requests)[-20:]:
-        state = "failed" if req.error is not None else f"done ({req.seqs[0].finish_reason})"
-        rows.append(row(req, state))
+    for r in engine.request_rows():
+        state = f"done ({r.finish_reason})" if r.state == "done" else r.state
+        rows.append((r.request_id, session.origins.get(r.request_id, "python"), state,
+                     str(r.prompt_tokens), str(r.output_tokens), str(r.blocks),
+                     "-" if r.cached_tokens is None else str(r.cached_tokens),
+                     "-" if r.ttft is None else f"{r.ttft * 1e3:.0f} ms"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if len(rows) == 1:

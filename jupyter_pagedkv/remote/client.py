@@ -1,8 +1,9 @@
-"""A client for an OpenAI-compatible server (vLLM) with the local engine's surface.
+"""A client for an OpenAI-compatible server (vLLM) with the local engine's interface.
 
-`Engine.connect(url)` returns a `RemoteEngine`: `generate` / `chat` / `stream` / `stats` /
-`pool_snapshot` and the `add_request(listener=...)` / `abort` pair that the magics' `CellRun`
-drives, so `%%generate` and `%%chat` stream from the server exactly as from the kernel's engine.
+`Engine.connect(url)` returns a `RemoteEngine`, an `EngineClient` like the local engine: the
+same `generate` / `chat` / `stream` (shared code, `GenerationFront`), `add_request(listener=...)` /
+`abort`, `stats`, `observe`, `request_rows`, so `%%generate`, `%%chat`, the monitor and the
+JupyterLab panel work with a server exactly as with the kernel's engine.
 Each request is one HTTP connection (stdlib `http.client`) read as server-sent events on its own
 daemon thread; aborting shuts the socket down, which is also what the server takes as "cancel".
 
@@ -15,70 +16,31 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import logging
 import queue
 import socket
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from ..core.stats import Throughput
+from ..engine.frontend import GenerationFront
+from .errors import RemoteError
+from .inspection import RemoteInspection
 from ..engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
 from ..core.sampling_params import SamplingParams
-from .server_metrics import (FINISHED, GENERATED, KV_USAGE, PREEMPTIONS, PREFIX_HITS,
-                             PREFIX_QUERIES, RUNNING, WAITING, RemoteStats, ServerMetrics,
-                             parse_prometheus)
 
 
-class RemoteError(RuntimeError):
-    """A server-side or network failure, worded as one line that says what to do."""
-
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ChatPrompt:
     """A conversation for the server to template (its own chat template, not a local tokenizer)."""
 
     messages: tuple[dict, ...]
-
-
-class ServerTemplate:
-    """Stands in for a tokenizer in the magics' checks: the server applies the chat template."""
-
-    chat_template = "(applied by the server)"
-
-
-@dataclass(frozen=True)
-class RemoteDevice:
-    """What the monitor channel shows as the device: the server, not this machine."""
-
-    type: str = "remote"
-
-
-class RemoteStatus(Enum):
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class _NoBlocks:
-    blocks: tuple = ()
-
-
-@dataclass
-class RemoteSeq:
-    """The per-sample view `%pagedkv requests` reads (the server keeps the real one)."""
-
-    num_output_tokens: int = 0
-    num_cached_tokens: int | None = None
-    finish_reason: str | None = None
-    status: RemoteStatus = RemoteStatus.RUNNING
-    block_table: _NoBlocks = field(default_factory=_NoBlocks)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RemoteStatus.FINISHED
 
 
 @dataclass(eq=False)
@@ -89,7 +51,8 @@ class RemoteRequest:
     params: SamplingParams
     metrics: RequestMetrics
     listeners: list[queue.SimpleQueue] = field(default_factory=list)
-    seqs: list[RemoteSeq] = field(default_factory=lambda: [RemoteSeq()])
+    num_output_tokens: int = 0           # of the first sample, as streamed
+    num_cached_tokens: int | None = None  # prompt tokens the server found cached (from `usage`)
     texts: dict[int, str] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=dict)
     finish: dict[int, str] = field(default_factory=dict)
@@ -118,13 +81,11 @@ def _base_url(url: str) -> tuple[str, str, int, str]:
     return parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), path
 
 
-class RemoteEngine:
-    """The kernel's engine surface over a vLLM (OpenAI-compatible) server."""
+class RemoteEngine(RemoteInspection, GenerationFront):
+    """An `EngineClient` over a vLLM (OpenAI-compatible) server."""
 
-    is_remote = True
     is_running = True          # the server runs its own loop; nothing to start here
-    device = RemoteDevice()
-    dtype = "server"           # the server's own dtype; /metrics does not say which
+    has_chat_template = True   # the server applies the model's own template
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  timeout: float = 60.0, kv_events: str | None = None, kv_events_topic: str = "") -> None:
@@ -134,14 +95,14 @@ class RemoteEngine:
         self.url = f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
         self.api_key = api_key
         self.timeout = timeout
-        self.tokenizer = ServerTemplate()
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._feed_lock = threading.Lock()
-        self._monitor_feed = None
+        self._shutdown_listeners: list[Callable[[], None]] = []
         self._requests: dict[str, RemoteRequest] = {}
         self.finished_requests: deque[RemoteRequest] = deque(maxlen=1000)
-        self._rate: deque[tuple[float, float]] = deque(maxlen=64)   # (time, generation_tokens_total)
+        self._throughput = Throughput()      # the same window and rule as the local engine's
+        self._last_generated: float | None = None
+        self._num_polls = 0
         served = self._served_models()
         if model is None:
             model = served[0]
@@ -317,6 +278,7 @@ class RemoteEngine:
                                               f"({err.__class__.__name__}: {err}); the output so far "
                                               f"is kept, run the cell again for the rest"))
         except BaseException as err:   # never leave a cell waiting on this request
+            logger.warning("request %s: reading the stream failed", req.request_id, exc_info=True)
             req.error = err
         finally:
             self._finish(req)
@@ -345,7 +307,7 @@ class RemoteEngine:
             missing = [i for i in range(req.params.n) if i not in req.finish]
             if missing:
                 raise RemoteError(f"the stream from {self.url} dropped before the end (no finish "
-                                  f"reason after {req.seqs[0].num_output_tokens} tokens); the "
+                                  f"reason after {req.num_output_tokens} tokens); the "
                                   f"output so far is kept, run the cell again for the rest")
 
     def _fold_chunk(self, req: RemoteRequest, chunk: dict, chat: bool) -> None:
@@ -371,10 +333,10 @@ class RemoteEngine:
         if usage:
             req.metrics.num_generated_tokens = int(usage.get("completion_tokens") or 0)
             details = usage.get("prompt_tokens_details") or {}
-            req.seqs[0].num_cached_tokens = int(details.get("cached_tokens") or 0)
+            req.num_cached_tokens = int(details.get("cached_tokens") or 0)
         if (new_text or new_tokens) and req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        req.seqs[0].num_output_tokens = len(req.tokens.get(0, [])) or req.seqs[0].num_output_tokens
+        req.num_output_tokens = len(req.tokens.get(0, [])) or req.num_output_tokens
         if new_text or new_tokens:
             delta = StreamDelta(req.request_id, new_text, new_tokens, False)
             for q in req.listeners:
@@ -387,20 +349,18 @@ class RemoteEngine:
             req.metrics.finish_time = time.perf_counter()
             if not req.metrics.num_generated_tokens:
                 req.metrics.num_generated_tokens = len(req.tokens.get(0, []))
-            seq = req.seqs[0]
-            seq.status = RemoteStatus.FINISHED
             if req.aborted or req.error is not None:
                 for i in range(req.params.n):
                     req.finish.setdefault(i, "abort")
                     if req.finish[i] is None:
                         req.finish[i] = "abort"
-            seq.finish_reason = req.finish.get(0, "abort")
             self._requests.pop(req.request_id, None)
             self.finished_requests.append(req)
             req.done.set()
         out = self._output(req)
+        error = None if req.aborted else req.error
         for q in req.listeners:
-            q.put(StreamDelta(req.request_id, "", [], True, out.finish_reason, out))
+            q.put(StreamDelta(req.request_id, "", [], True, out.finish_reason, out, error))
         if req.conn is not None:
             req.conn.close()
 
@@ -409,7 +369,7 @@ class RemoteEngine:
         outs = [CompletionOutput(i, req.texts.get(i, ""), req.tokens.get(i, []), req.finish.get(i))
                 for i in range(n)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.seqs[0].num_cached_tokens or 0, req.metrics)
+                             req.num_cached_tokens or 0, req.metrics)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request: shut its connection (vLLM aborts on disconnect); False if not live."""
@@ -436,195 +396,25 @@ class RemoteEngine:
         with self._lock:
             return bool(self._requests)
 
-    # -- high-level API (the local engine's) ------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Send every prompt at once (the server batches them); outputs in order. Errors raise."""
-        prompt_list = [prompts] if isinstance(prompts, (str, ChatPrompt)) or (
-            prompts and isinstance(prompts, list) and isinstance(prompts[0], int)) else list(prompts)
-        param_list = (list(params) if isinstance(params, (list, tuple))
-                      else [params or SamplingParams()] * len(prompt_list))
-        if len(param_list) != len(prompt_list):
-            raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
-        ids: list[str] = []
-        try:
-            for p, sp in zip(prompt_list, param_list):
-                ids.append(self.add_request(p, sp))
-            reqs = [self._get_request(rid) for rid in ids]
-            for req in reqs:
-                req.done.wait()
-        except BaseException:
-            for rid in ids:
-                self.abort(rid)
-            raise
-        for req in reqs:
-            if req.error is not None:
-                raise req.error
-        return [self._output(r) for r in reqs]
+    # -- what GenerationFront (generate / chat / stream) needs ------------------------------------------
+    def step(self) -> list:
+        return []          # never called: the server steps itself (is_running)
 
-    def chat(self, messages, params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """One conversation (list of {role, content}) or a list of them, templated by the server."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in conversations], params)
-
-    def stream(self, prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> Iterator[StreamDelta]:
-        """Yield text increments; closing the iterator aborts the request on the server."""
-        listener: queue.SimpleQueue = queue.SimpleQueue()
-        rid = self.add_request(prompt, params, request_id, listener=listener)
-        req = self._get_request(rid)
-        try:
-            while True:
-                delta = listener.get()
-                yield delta
-                if delta.finished:
-                    if req.error is not None:
-                        raise req.error
-                    return
-        finally:
-            if not req.done.is_set():
-                self.abort(rid)
-
-    def _get_request(self, rid: str) -> RemoteRequest:
+    def _handle(self, rid: str) -> RemoteRequest:
         with self._lock:
             req = self._requests.get(rid)
-        return req or next(r for r in self.finished_requests if r.request_id == rid)
+        return req or next(r for r in reversed(self.finished_requests) if r.request_id == rid)
 
-    # -- introspection -----------------------------------------------------------------------------------
-    def metrics(self) -> ServerMetrics:
-        """One scrape of the server's Prometheus /metrics, filtered to the served model."""
-        status, body = self._get("/metrics", "/metrics")
-        if status != 200:
-            raise self._http_error(status, body)
-        return ServerMetrics(parse_prometheus(body.decode("utf-8", "replace")), self.model)
+    def _result(self, req: RemoteRequest) -> RequestOutput:
+        return self._output(req)
 
-    def stats(self) -> RemoteStats:
-        """The server's gauges as EngineStats (plus the block count its KV events imply)."""
-        m = self.metrics()
-        info = m.cache_info()
-        num_blocks = int(float(info.get("num_gpu_blocks") or 0))
-        block_size = int(float(info.get("block_size") or 0))
-        usage = m.value(KV_USAGE)
-        num_used = round(usage * num_blocks)
-        generated = m.value(GENERATED)
-        now = time.perf_counter()
-        tps = 0.0
-        with self._lock:
-            self._rate.append((now, generated))
-            window = [(t, g) for t, g in self._rate if now - t <= 10.0]
-        if len(window) >= 2 and window[-1][0] > window[0][0]:
-            tps = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
-        event_blocks = None
-        notes = []
-        if self.events is not None:
-            snap = self.events.snapshot()
-            event_blocks = snap.num_blocks
-            if self.events.error:
-                notes.append(self.events.error)
-        else:
-            notes.append("KV events: off (connect with --kv-events tcp://HOST:PORT for the block map)")
-        if not m.has(KV_USAGE):
-            notes.append("this server's /metrics has no KV-cache usage gauge")
-        num_cached = max(0, event_blocks - num_used) if event_blocks is not None else 0
-        return RemoteStats(
-            num_blocks=num_blocks, block_size=block_size,
-            num_free=max(0, num_blocks - num_used - num_cached), num_used=num_used,
-            num_cached=num_cached, num_shared=0, kv_cache_usage=usage,
-            tokens_stored=0, slots_allocated=num_used * block_size, internal_waste=0,
-            prefix_cache_queries=int(m.value(PREFIX_QUERIES)), prefix_cache_hits=int(m.value(PREFIX_HITS)),
-            num_running=int(m.value(RUNNING)), num_waiting=int(m.value(WAITING)), num_preempted=0,
-            num_preemptions=int(m.value(PREEMPTIONS)), num_swapped_blocks=0,
-            tokens_per_s=tps, num_generated_tokens=int(generated), num_finished=int(m.value(FINISHED)),
-            latency_percentiles=self._percentiles(),
-            source=f"{self.name}" + (f" (vLLM {self.version})" if self.version else ""),
-            kv_event_blocks=event_blocks, notes=notes)
+    def chat_prompt(self, messages: list[dict], previous: list[int] | None = None) -> tuple[ChatPrompt, bool]:
+        """The conversation itself (the server templates it and finds the cached prefix)."""
+        return self.apply_chat_template(messages), False
 
-    def _percentiles(self) -> dict[str, dict[str, float]]:
-        result = {}
-        for name in ("ttft", "tpot", "latency"):
-            values = sorted(v for r in list(self.finished_requests) if r.error is None
-                            for v in [getattr(r.metrics, name)] if v is not None)
-            if values:
-                pick = lambda q: values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-                result[name] = {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
-        return result
-
-    def pool_snapshot(self, stats: RemoteStats | None = None) -> dict:
-        """The local engine's snapshot shape, from the server's KV events and usage gauge (`stats`:
-        a scrape already made, so a monitor polls /metrics once, not twice).
-
-        Block positions are ours (events carry hashes, not physical ids): full blocks published by
-        the server come first as 'cached' (reusable prefix), then the blocks /metrics says are in
-        use beyond those (partly filled, never published) as 'used'; ref counts are not published.
-        """
-        stats = stats or self.stats()
-        stored = stats.kv_event_blocks or 0
-        n = max(stats.num_blocks, stored)
-        states = ["free"] * n
-        if self.events is not None:
-            snap = self.events.snapshot()
-            for slot in snap.slots.values():
-                if slot < n:
-                    states[slot] = "cached"
-        extra = max(0, stats.num_used - stored)
-        for i in range(n):
-            if extra == 0:
-                break
-            if states[i] == "free":
-                states[i] = "used"
-                extra -= 1
-        return {"num_blocks": n, "block_size": stats.block_size, "states": states,
-                "ref_counts": [1 if s == "used" else 0 for s in states], "owners": {},
-                "source": "kv-events" if self.events is not None else "metrics"}
-
-    def check_invariants(self) -> None:
-        """The server owns the blocks; here only: no request left live without its thread."""
-        with self._lock:
-            for req in self._requests.values():
-                assert req.thread is not None and req.thread.is_alive(), \
-                    f"{req.request_id} is live without a reader thread"
-
-    def reset_prefix_cache(self) -> int:
-        """Ask the server to drop its prefix cache (vLLM: only with VLLM_SERVER_DEV_MODE=1).
-
-        Returns the full blocks the KV events knew of (0 without events: the server does not say)."""
-        known = self.events.snapshot().num_blocks if self.events is not None else 0
-        conn = self._connection()
-        try:
-            conn.request("POST", self.prefix + "/reset_prefix_cache", headers=self._headers())
-            resp = conn.getresponse()
-            body = resp.read()
-        except (OSError, http.client.HTTPException) as err:
-            raise self._network_error(err, "reset_prefix_cache") from None
-        finally:
-            conn.close()
-        if resp.status == 404:
-            raise RemoteError(f"{self.url} has no /reset_prefix_cache: start vLLM with "
-                              f"VLLM_SERVER_DEV_MODE=1 to allow it")
-        if resp.status != 200:
-            raise self._http_error(resp.status, body)
-        return known
-
-    def summary_line(self) -> str:
-        s = self.stats()
-        return (f"{self.name}" + (f" (vLLM {self.version})" if self.version else "") +
-                f": {s.num_blocks:,} blocks × {s.block_size} = {s.num_blocks * s.block_size:,} tokens "
-                f"of KV on the server" + (", KV events on" if self.events is not None else ""))
-
-    @property
-    def monitor_feed(self):
-        """The one RemoteMonitorFeed of this client (created on first use), shared by every monitor."""
-        with self._feed_lock:         # not self._lock: creating the feed calls stats(), which takes it
-            if self._monitor_feed is None:
-                from .monitor import RemoteMonitorFeed
-                self._monitor_feed = RemoteMonitorFeed(self)
-            return self._monitor_feed
-
-    def monitor(self, **kwargs):
-        """The live block-pool widget, drawn from the server's /metrics and KV events."""
-        from ..widgets import BlockPoolMonitor
-        return BlockPoolMonitor(self, **kwargs)
+    def add_drafter(self, speculative) -> str:
+        raise ValueError("speculative decoding of a server is configured where it runs "
+                         "(e.g. `vllm serve --speculative-config ...`), not per request from here")
 
     def start(self) -> None:
         pass
@@ -635,8 +425,8 @@ class RemoteEngine:
             self.abort(req.request_id)
         if self.events is not None:
             self.events.close()
-        if self._monitor_feed is not None:
-            self._monitor_feed.close()
+        for listener in self._shutdown_listeners:
+            listener()
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.name!r})"

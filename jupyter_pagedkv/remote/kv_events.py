@@ -11,11 +11,14 @@ with Jupyter's kernel and is imported only when a listener starts.
 """
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class MsgpackError(ValueError):
@@ -213,6 +216,7 @@ class KVEventListener:
                     self.map.apply_batch(batch, seq)
         except Exception as err:   # a bad payload stops the map; stats say why
             self.error = f"KV events from {self.endpoint} stopped: {err}"
+            logger.warning("%s", self.error, exc_info=True)
         finally:
             self._sock.close(0)
 

@@ -30,13 +30,14 @@ def _run(args) -> int:
 
 
 def chat_prompts(engine, n: int, seed: int, max_tokens: tuple[int, int]) -> list[list[int]]:
-    from ..bench.workload import chat_requests
+    from .workload import chat_requests
 
     return [engine.apply_chat_template(r.messages) for r in chat_requests(n, seed, *max_tokens)]
 
 
 def _validate(args) -> int:
-    from .. import Engine, SamplingParams
+    from ..core.sampling_params import SamplingParams
+    from ..engine.engine import Engine
     from .serve import TimedPrompt
     from .validate import calibrate, offline_check, timing_check
     from .workload import arrivals

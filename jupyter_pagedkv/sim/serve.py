@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..engine.outputs import RequestOutput
 from ..core.sampling_params import SamplingParams
-from .summary import RequestTiming, RunSummary, UtilisationMeter, kv_occupancy
+from .summary import RequestTiming, RunSummary, UtilisationMeter
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def serve(engine, prompts: list[TimedPrompt], label: str = "") -> tuple[RunSumma
     timings: list[RequestTiming] = []
     meter = UtilisationMeter()
     max_conc = 0
-    preempt0 = engine.scheduler.num_preemptions
+    preempt0 = engine.stats().num_preemptions
     t0 = time.perf_counter()
     try:
         while pending or engine.has_unfinished_requests():
@@ -47,11 +47,9 @@ def serve(engine, prompts: list[TimedPrompt], label: str = "") -> tuple[RunSumma
             s0 = time.perf_counter()
             outs = engine.step()
             dt = time.perf_counter() - s0
-            with engine._lock:
-                running = engine.scheduler.running
-                max_conc = max(max_conc, len(running) + sum(1 for o in outs if o.finished))
-                stored, held = kv_occupancy(running, engine.block_size)
-            meter.add(stored, held, dt)
+            s = engine.stats()
+            max_conc = max(max_conc, s.num_running + sum(1 for o in outs if o.finished))
+            meter.add(s.tokens_stored, s.slots_allocated, dt)
             for o in outs:
                 if o.finished:
                     outputs[o.request_id] = o
@@ -66,5 +64,5 @@ def serve(engine, prompts: list[TimedPrompt], label: str = "") -> tuple[RunSumma
     start = min((p.arrival_s for p in prompts), default=0.0)
     end = max((t.finish_s for t in timings), default=start)
     summary = RunSummary(label, timings, end - start, meter.value, max_conc,
-                         engine.scheduler.num_preemptions - preempt0)
+                         engine.stats().num_preemptions - preempt0)
     return summary, outputs

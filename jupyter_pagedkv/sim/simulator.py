@@ -23,7 +23,8 @@ from ..core.scheduler import Scheduler, StepRecord
 from ..core.sequence import Sequence
 from ..core.swap_space import SwapSpace
 from .cost_model import CostModel, ModelCost
-from .summary import RequestTiming, RunSummary, UtilisationMeter, kv_occupancy
+from ..core.stats import occupancy
+from .summary import RequestTiming, RunSummary, UtilisationMeter
 from .workload import SimRequest
 
 
@@ -111,7 +112,7 @@ class Simulator:
             shape = [(c.start, c.num_tokens, c.samples) for c in out.chunks]
             work = self.model.work(shape, len(out.swap_out) + len(out.swap_in), bs)
             dt = self.cost.step_time(work)
-            running = len(sched.running)
+            running = sched.num_running
             max_conc = max(max_conc, running)
             clock += dt
             steps += 1
@@ -134,11 +135,11 @@ class Simulator:
                     timings.append(RequestTiming(req.request_id, req.arrival_s, first[req.request_id],
                                                  clock, req.output_len))
                     result.completion_order.append(req.request_id)
-            # Occupancy after the step (as the real-engine driver measures it) walks every held
-            # block: sample it on a stride, weighted by the time since the last sample.
+            # Occupancy after the step (as the real-engine driver measures it), sampled on a
+            # stride and weighted by the time since the last sample.
             since += dt
             if steps % max(1, running // 4) == 0:
-                stored, held = kv_occupancy(sched.running, bs)
+                stored, held = occupancy(pool, sched.live)
                 meter.add(stored, held, since)
                 since = 0.0
         pool.check_invariants(Counter())   # every request finished: nothing may stay referenced

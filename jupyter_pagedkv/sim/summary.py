@@ -80,15 +80,3 @@ class UtilisationMeter:
     @property
     def value(self) -> float:
         return self.stored / self.reserved if self.reserved else float("nan")
-
-
-def kv_occupancy(seqs, block_size: int) -> tuple[int, int]:
-    """(distinct token slots filled, slots held) over the blocks `seqs` hold; a block shared by
-    several sequences counts once, so sharing shows up as higher utilisation, never above 100%."""
-    fill: dict[int, int] = {}
-    for seq in seqs:
-        table = seq.block_table
-        for i, block in enumerate(table.blocks):
-            n = min(block_size, max(0, table.num_slots - i * block_size))
-            fill[block.block_id] = max(fill.get(block.block_id, 0), n)
-    return sum(fill.values()), len(fill) * block_size

@@ -17,13 +17,12 @@ from .workload import SimRequest
 
 def sim_config_of(engine) -> SimConfig:
     """The simulator configuration that mirrors a live engine."""
-    sched = engine.scheduler
-    return SimConfig(num_blocks=engine.pool.num_blocks, block_size=engine.block_size,
-                     max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-                     allocator=engine.allocator, preemption_mode=engine.preemption_mode,
-                     swap_blocks=engine.swap.num_slots if engine.swap is not None else 0,
-                     enable_prefix_caching=engine.pool.enable_prefix_caching,
-                     max_model_len=engine.max_model_len)
+    info, config = engine.info(), engine.config
+    return SimConfig(num_blocks=info.num_blocks, block_size=info.block_size,
+                     max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                     allocator=config.allocator, preemption_mode=config.preemption_mode,
+                     swap_blocks=info.swap_blocks, enable_prefix_caching=info.prefix_caching,
+                     max_model_len=info.max_model_len)
 
 
 def model_cost_of(engine) -> ModelCost:
@@ -31,7 +30,8 @@ def model_cost_of(engine) -> ModelCost:
     params = sum(p.numel() for p in engine.model.parameters())   # tied weights counted once
     shape = ModelShape.from_config(engine.model.config, engine.name, float(params))
     elem = torch.empty((), dtype=engine.dtype).element_size()
-    return ModelCost(shape, params * elem, engine.spec.bytes_per_token)
+    info = engine.info()
+    return ModelCost(shape, params * elem, info.bytes_per_block // info.block_size)
 
 
 def replay_requests(prompts: list[TimedPrompt], outputs: dict) -> list[SimRequest]:

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 import anywidget
 import traitlets
 
+from ..monitor.feed import feed_for
+
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
     from ..monitor.feed import Frame
+    from ..protocol import EngineClient
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -29,11 +31,11 @@ class BlockPoolMonitor(anywidget.AnyWidget):
     base = traitlets.Dict().tag(sync=True)
     frame = traitlets.Dict().tag(sync=True)
 
-    def __init__(self, engine: Engine, height: int = 220, **kwargs) -> None:
+    def __init__(self, engine: EngineClient, height: int = 220, **kwargs) -> None:
         if height < 40:
             raise ValueError(f"height={height} is too small to draw the pool: give at least 40 (pixels)")
         name = engine.name
-        feed = engine.monitor_feed        # a local engine's, or a server client's (same frames)
+        feed = feed_for(engine)           # a local engine's, or a server client's (same frames)
         n, bs = len(feed.codes), feed.block_size
         super().__init__(title=f"KV cache · {name} · {n:,} blocks × {bs} tokens", height=height, **kwargs)
         self._label = f"BlockPoolMonitor({name!r}: {n:,} blocks × {bs} tokens)"

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from .pool_figure import pool_figure, state_colours
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
     from ..core.stats import EngineStats
+    from ..protocol import EngineClient
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class PoolPoint:
 class PoolRecorder:
     """`with PoolRecorder(engine) as rec: ...` then `rec.figure()`, `rec.peak`, `rec.timeline`."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
         self.timeline: list[PoolPoint] = []
         self.peak: dict | None = None           # pool_snapshot() at the most block references

@@ -8,7 +8,7 @@ import torch
 
 @dataclass(frozen=True)
 class KVSpec:
-    """The shape facts that decide KV memory: see DESIGN.md, 'Memory arithmetic'."""
+    """The shape facts that decide KV memory: see docs/design.md, 'Memory arithmetic'."""
 
     num_layers: int
     num_kv_heads: int

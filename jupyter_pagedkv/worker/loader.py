@@ -117,3 +117,18 @@ def load_model(model: str | os.PathLike | None, dtype, device) -> LoadedModel:
         tokenizer = None
     hf_model.eval()
     return LoadedModel(hf_model, tokenizer, name if model is not None else EMBEDDED_NAME, source)
+
+
+def resolve_device_dtype(device: str = "auto", dtype: str = "auto"):
+    """("auto" | "cpu" | "cuda:1" ..., "auto" | "bfloat16" ...) -> (torch.device, torch.dtype):
+    auto is CUDA in bf16 when a GPU is there, else the CPU in fp32."""
+    import torch
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                       else ("cpu" if device == "auto" else device))
+    if dtype == "auto":
+        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    torch_dtype = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return dev, torch_dtype

@@ -1,15 +1,18 @@
 """ModelRunner: one scheduler step -> one flat forward pass -> logits at the sampling positions."""
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from ..core.scheduler import ScheduledChunk
 from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additive_mask
 from .kv_cache import KVCache
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
-from ..core.scheduler import ScheduledChunk
 from .step_timing import ForwardClock
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -38,7 +41,9 @@ class ModelRunner:
         try:
             with torch.inference_mode(), packed_gemms(self.packed):
                 self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
-        except Exception:    # a model that needs more than input_ids: it learns on its first step
+        except Exception as err:    # a model that needs more than input_ids: it learns on its first step
+            logger.info("packed GEMMs: the model did not run on one token (%s: %s); they are learned "
+                        "on its first step instead", type(err).__name__, err)
             self.packed.learned = False
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], dict]:

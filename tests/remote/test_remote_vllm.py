@@ -14,9 +14,10 @@ import time
 import pytest
 import torch
 
-from jupyter_pagedkv import Engine, streaming
+from jupyter_pagedkv import Engine
+from jupyter_pagedkv.notebook import streaming
 from jupyter_pagedkv.remote.peer_server import PeerServer, ServerConfig, free_port, peer_python
-from jupyter_pagedkv.remote.monitor import RemoteMonitorFeed
+from jupyter_pagedkv.monitor.feed import MonitorFeed
 from jupyter_pagedkv.core.sampling_params import SamplingParams
 from jupyter_pagedkv.notebook.session import KernelSession
 
@@ -132,7 +133,7 @@ def test_gauges_move_and_kv_events_match_usage(client):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     prompts = [f"{t} are interesting. Write a short paragraph about {t.lower()}, their history and "
                f"why people care about them." for t in TOPICS]
-    feed = RemoteMonitorFeed(client, threaded=False)     # what the widget and the side panel draw
+    feed = MonitorFeed(client, threaded=False, resync_interval=0.0)     # what the widget and the side panel draw
     frames = []
     feed.subscribe(frames.append)
     ids = [client.add_request(p, params) for p in prompts]
@@ -145,7 +146,7 @@ def test_gauges_move_and_kv_events_match_usage(client):
         live = len(client.live_requests())
         samples.append((s.num_used, e1, e2, s.num_running, s.num_waiting, live, s.kv_cache_usage))
         time.sleep(0.5)
-    outs = [client._output(client._get_request(rid)) for rid in ids]
+    outs = [client._result(client._handle(rid)) for rid in ids]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 32 for o in outs)
     client.events.wait_quiet()
     after = client.stats()

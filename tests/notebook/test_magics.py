@@ -17,7 +17,8 @@ from IPython.core.error import UsageError
 
 from jupyter_pagedkv import BeamSearchParams
 from jupyter_pagedkv.notebook import session as session_mod
-from jupyter_pagedkv.notebook.session import current, format_bytes, rss_bytes
+from jupyter_pagedkv.config import format_bytes
+from jupyter_pagedkv.notebook.session import current, rss_bytes
 from jupyter_pagedkv.notebook.streaming import footer
 
 pytestmark = pytest.mark.slow
@@ -27,9 +28,9 @@ GEN = "%%generate --max-tokens 8"
 
 @pytest.fixture(scope="module")
 def ip():
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing.globalipapp import get_ipython, start_ipython
 
-    shell = start_ipython()
+    shell = start_ipython() or get_ipython()   # None once another module started it
     shell.run_line_magic("load_ext", "jupyter_pagedkv")
     shell.run_line_magic("pagedkv", "load --kv-cache-memory 128MiB")
     yield shell

@@ -1,4 +1,4 @@
-"""BlockPool and BlockTable behave as DESIGN.md specifies."""
+"""BlockPool and BlockTable behave as docs/design.md specifies."""
 from __future__ import annotations
 
 from collections import Counter

@@ -6,7 +6,8 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from jupyter_pagedkv.notebook.magics import PagedKVMagics, _unescape, interpolate, parse_line, split_prompts
+from jupyter_pagedkv.notebook.magics import PagedKVMagics
+from jupyter_pagedkv.notebook.options import interpolate, parse_line, split_prompts, unescape as _unescape
 from jupyter_pagedkv.notebook.text_views import block_map
 from jupyter_pagedkv.monitor.channel import TARGET, handle_message, open_comm, register
 from jupyter_pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -97,8 +98,8 @@ def test_block_map_groups_large_pools_showing_the_busiest_state():
 
 def test_monitor_answers_snapshot_and_rejects_other_requests():
     session = KernelSession()
-    assert handle_message({"request": "snapshot"}, session) == {"response": "snapshot", "loaded": False}
-    assert handle_message({"request": "reboot"}, session)["response"] == "error"
+    assert handle_message({"request": "snapshot"}, session.engine) == {"response": "snapshot", "loaded": False}
+    assert handle_message({"request": "reboot"}, session.engine)["response"] == "error"
 
 
 class FakeComm:
@@ -121,14 +122,14 @@ class FakeComm:
 
 def test_monitor_comm_sends_an_answer_per_message():
     comm = FakeComm()
-    open_comm(comm, {}, get_session=KernelSession)
+    open_comm(comm, {}, get_engine=lambda: None)
     comm.message({"request": "snapshot"})
     assert comm.sent == [{"response": "snapshot", "loaded": False}]
 
 
 def test_monitor_comm_pushes_snapshots_while_subscribed_until_closed():
     comm = FakeComm()
-    open_comm(comm, {}, get_session=KernelSession)
+    open_comm(comm, {}, get_engine=lambda: None)
     comm.message({"request": "subscribe", "interval_ms": 100})
     time.sleep(0.55)
     comm.message({"request": "unsubscribe"})
@@ -147,7 +148,7 @@ def test_monitor_comm_pushes_snapshots_while_subscribed_until_closed():
 def test_the_comm_target_is_registered_only_inside_a_kernel():
     class Shell:
         kernel = None
-    assert register(Shell()) is False
+    assert register(Shell(), lambda: None) is False
     assert TARGET == "jupyter_pagedkv.monitor"
 
 
@@ -180,8 +181,14 @@ class Tok:
 
 
 class ChatEngine:
+    """The engine's own chat_prompt over a stand-in tokenizer."""
+
     def __init__(self, tok) -> None:
         self.tokenizer = tok
+
+    def chat_prompt(self, messages, previous=None):
+        from jupyter_pagedkv.engine.engine import Engine
+        return Engine.chat_prompt(self, messages, previous)
 
     def apply_chat_template(self, messages):
         return [ord(c) for c in self.tokenizer.apply_chat_template(messages, True, False)]

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("PAGEDKV_CHROMIUM", "/usr/bin/chromium")
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -68,7 +68,7 @@ def _why_skip() -> str | None:
 
 def palette() -> dict[str, tuple[int, int, int]]:
     """The state colours, read from the drawing module itself so the test cannot drift from it."""
-    js = (ROOT / "jupyter_pagedkv" / "static" / "blockmap.js").read_text()
+    js = (ROOT / "jupyter_pagedkv" / "widgets" / "static" / "blockmap.js").read_text()
     block = js[js.index("export const COLORS = {"):]
     block = block[:block.index("};")]
     return {k: tuple(map(int, v.split(","))) for k, v in re.findall(r"(\w+): \[([\d, ]+)\]", block)}

@@ -125,7 +125,7 @@ def test_the_simulator_reproduces_the_embedded_models_schedule(embedded, make_en
 
 def test_benchmark_conversations_carry_their_own_history(embedded, make_engine):
     """bench tail's real workload: each request's earlier turns answered by the model itself."""
-    from jupyter_pagedkv.bench.workload import FOLLOW_UPS, chat_requests, with_history
+    from jupyter_pagedkv.sim.workload import FOLLOW_UPS, chat_requests, with_history
 
     engine = make_engine(*embedded, num_blocks=64)
     requests = chat_requests(2, seed=0)

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
 from jupyter_pagedkv.monitor.channel import open_comm
-from jupyter_pagedkv.monitor.feed import MonitorFeed
+from jupyter_pagedkv.monitor.feed import MonitorFeed, feed_for
 from jupyter_pagedkv.notebook.session import KernelSession
 
 MODEL = tiny_model("llama", seed=3)
@@ -52,8 +52,7 @@ class Replica:
 
 def manual_feed(engine) -> MonitorFeed:
     """The engine's feed without its thread: the test decides when a frame is published."""
-    engine._monitor_feed = MonitorFeed(engine, threaded=False)
-    return engine._monitor_feed
+    return feed_for(engine, threaded=False)
 
 
 def assert_matches_engine(replica: Replica, engine) -> None:
@@ -244,7 +243,7 @@ def test_the_comm_subscribes_to_the_same_feed_and_sends_binary_diffs(make_engine
     manual_feed(engine)
     session = KernelSession(engine=engine)
     comm = BufferComm()
-    open_comm(comm, {}, get_session=lambda: session)
+    open_comm(comm, {}, get_engine=lambda: session.engine)
     comm.handler({"content": {"data": {"request": "subscribe", "diffs": True}}})
     data, buffers = comm.sent[0]
     assert data["response"] == "frame" and data["full"] and data["loaded"] and data["model"] == engine.name
@@ -257,7 +256,7 @@ def test_the_comm_subscribes_to_the_same_feed_and_sends_binary_diffs(make_engine
     comm.closer({})
     assert engine.monitor_feed.num_subscribers == 0
     empty = BufferComm()
-    open_comm(empty, {}, get_session=KernelSession)
+    open_comm(empty, {}, get_engine=lambda: None)
     empty.handler({"content": {"data": {"request": "subscribe", "diffs": True}}})
     assert empty.sent == [({"response": "frame", "loaded": False}, [])]
     engine.abort(engine.live_requests()[0].request_id)
@@ -268,15 +267,15 @@ def test_a_periodic_full_scan_catches_states_the_pool_did_not_record(make_engine
     feed = MonitorFeed(engine, threaded=False, resync_interval=0.0)
     replica = Replica()
     feed.subscribe(replica)
-    real = engine.pool_snapshot
+    real = engine.observe
 
-    def marking_block_9(block_ids=None):      # as a feature that flags blocks without a ref change
-        snap = real(block_ids)
-        if block_ids is None:
-            snap["states"][9] = "speculative"
-        return snap
+    def marking_block_9(full=False):          # as a feature that flags blocks without a ref change
+        obs = real(full)
+        if full:
+            obs.snapshot["states"][9] = "speculative"
+        return obs
 
-    monkeypatch.setattr(engine, "pool_snapshot", marking_block_9)
+    monkeypatch.setattr(engine, "observe", marking_block_9)
     rid = engine.add_request(PROMPT[:5], GREEDY)
     engine.step()
     feed.publish()

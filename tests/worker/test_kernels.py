@@ -19,7 +19,7 @@ import torch
 from jupyter_pagedkv.worker import kernels_bridge
 from jupyter_pagedkv.worker.kernels_bridge import KERNELS_PACKAGE, kernel_module, resolve_backend
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device(os.environ.get("PAGEDKV_KERNEL_TEST_DEVICE", "cpu"))
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 

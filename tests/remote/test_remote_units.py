@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 from jupyter_pagedkv import Engine
 from jupyter_pagedkv.remote.kv_events import BlockMap, MsgpackError, unpack_msgpack
 from jupyter_pagedkv.remote.client import RemoteError
-from jupyter_pagedkv.remote.monitor import RemoteMonitorFeed
+from jupyter_pagedkv.monitor.feed import MonitorFeed
 from jupyter_pagedkv.core.sampling_params import SamplingParams
 from jupyter_pagedkv.remote.server_metrics import KV_USAGE, PREFIX_HITS, ServerMetrics, parse_prometheus
 from jupyter_pagedkv.notebook.session import KernelSession
@@ -151,7 +151,7 @@ def test_dropped_and_stalled_streams_end_the_request(fake):
         client.generate("hang")
     assert time.monotonic() - t0 < 10
     failed = list(client.finished_requests)
-    assert [r.seqs[0].finish_reason for r in failed] == ["abort", "abort"]
+    assert [r.finish[0] for r in failed] == ["abort", "abort"]
     assert failed[0].texts[0] == "Hello world"
     assert not client.live_requests()
 
@@ -165,7 +165,7 @@ def test_abort_closes_the_stream(fake):
     assert client.abort(rid)
     assert time.monotonic() - t0 < 2
     req = client.finished_requests[-1]
-    assert req.error is None and req.seqs[0].finish_reason == "abort"
+    assert req.error is None and req.finish[0] == "abort"
     assert not client.abort(rid)
 
 
@@ -192,7 +192,7 @@ def test_magics_connect_generate_disconnect(fake, capsys):
         ip.run_line_magic("pagedkv", "status")
         assert "KV usage 25.0%" in capsys.readouterr().out
         from jupyter_pagedkv.monitor.channel import snapshot
-        snap = snapshot(session.current())   # the monitor comm's payload, unchanged shape
+        snap = snapshot(session.current().engine)   # the monitor comm's payload, unchanged shape
         assert snap["device"] == "remote" and snap["stats"]["num_used"] == 25
         assert snap["pool"]["states"].count("used") == 25 and len(snap["pool"]["states"]) == 100
         ip.run_line_magic("pagedkv", "monitor")
@@ -250,7 +250,7 @@ def test_monitor_feed_and_widget_follow_the_server(fake):
     here, so the map is the usage gauge's count of used blocks)."""
     handler, url = fake
     client = Engine.connect(url)
-    feed = RemoteMonitorFeed(client, threaded=False)
+    feed = MonitorFeed(client, threaded=False, resync_interval=0.0)
     frames = []
     token = feed.subscribe(frames.append)
     first = frames[0]

@@ -1,4 +1,4 @@
-"""The capacity planner's memory arithmetic (DESIGN.md, 'Memory arithmetic')."""
+"""The capacity planner's memory arithmetic (docs/design.md, 'Memory arithmetic')."""
 from __future__ import annotations
 
 import pytest

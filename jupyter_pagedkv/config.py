@@ -1,0 +1,159 @@
+"""EngineConfig: every engine option once, with its default, its check and its help.
+
+`Engine(model, config=None, **options)`, `Engine.from_pretrained(...)` and `%pagedkv load` all
+derive from the fields below; the magic's flags, defaults and help text are generated from them
+(`load_arguments`), so an option added here is an option everywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(size: str | int) -> int:
+    """'512MiB', '1GiB', '1.5GB' or an int of bytes -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(str(size))
+    if not m:
+        raise ValueError(f"cannot read size {size!r}: write it like '512MiB' or '2GiB'")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB': the inverse of `parse_size`, for status lines."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def option(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
+           metavar: str | None = None, loading: bool = False) -> Any:
+    """A config field with what the magic needs: its flag (default `--field-name`; a `--no-...`
+    flag turns a boolean off), choices, metavar, and whether only loading uses it."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices,
+                                            "metavar": metavar, "loading": loading})
+
+
+@dataclass
+class EngineConfig:
+    """How an engine is built. Defaults are what `%pagedkv load` with no option gives."""
+
+    device: str = option("auto", "cpu, cuda, cuda:1 ... (auto: CUDA when available)", loading=True)
+    dtype: str = option("auto", "float32, bfloat16, float16 (auto: bf16 on CUDA, fp32 on a CPU)",
+                        loading=True)
+    block_size: int = option(16, "tokens per KV block", metavar="N")
+    num_blocks: int | None = option(None, "KV blocks to allocate (default: from the KV memory; "
+                                          "wins over it when both are given)", metavar="N")
+    kv_cache_memory: str | int | None = option(
+        None, "KV memory instead of a block count, e.g. 512MiB (CPU default 1GiB; CUDA 90 percent of "
+              "the memory free after the weights, less 1 GiB for activations)", metavar="SIZE")
+    max_num_seqs: int = option(64, "most sequences running at once", metavar="N")
+    max_num_batched_tokens: int = option(2048, "most tokens computed in one step", metavar="N")
+    enable_prefix_caching: bool = option(True, "reuse cached prompt prefixes",
+                                         flag="--no-prefix-caching")
+    preemption_mode: str = option("recompute", "what to do when blocks run out",
+                                  flag="--preemption", choices=("recompute", "swap"))
+    swap_space: str | int | None = option(None, "host memory for swapped-out blocks (default 1GiB)",
+                                          metavar="SIZE")
+    allocator: str = option("paged", "paged blocks, or the contiguous baseline",
+                            choices=("paged", "contiguous"))
+    max_model_len: int | None = option(None, "longest sequence (default: the model's context)",
+                                       metavar="N")
+    attention_backend: str = option("auto", "auto: Triton on CUDA, torch elsewhere",
+                                    choices=("auto", "triton", "torch"))
+    seed: int | None = option(None, "seed of the engine's sampler (requests may bring their own)",
+                              metavar="S")
+    speculative: Any = option(None, "speculative decoding for every request: n-gram lookup or a "
+                                    "draft model", metavar="ngram|MODEL")
+    num_speculative_tokens: int = option(4, "most draft tokens verified per step", metavar="K")
+    pack_weights: bool | None = option(
+        None, "plain torch GEMMs on the CPU (saves a packed copy of the weights; slower)",
+        flag="--no-pack-weights")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Reject a bad option with one line that says what to pass instead."""
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            if choices and getattr(self, f.name) not in choices:
+                names = [repr(c) for c in choices]
+                listed = ", ".join(names[:-1]) + f" or {names[-1]}"
+                raise ValueError(f"{f.name} must be {listed}, got {getattr(self, f.name)!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        for name in ("kv_cache_memory", "swap_space"):
+            if getattr(self, name) is not None:
+                parse_size(getattr(self, name))
+
+    def replace(self, **options: Any) -> EngineConfig:
+        """A copy with some options changed; an unknown option is a TypeError naming it."""
+        unknown = set(options) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))} "
+                            f"(known: {', '.join(f.name for f in fields(self))})")
+        return dataclasses.replace(self, **options)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def load_arguments() -> list[tuple[tuple, dict]]:
+    """(args, kwargs) for `argparse.add_argument` / IPython's `argument`, one per option."""
+    out = []
+    for f in fields(EngineConfig):
+        flag, meta = _flag(f), f.metadata
+        if flag.startswith("--no-"):
+            out.append(((flag,), {"action": "store_true", "help": f"load: {meta['help']}"}))
+            continue
+        kind = int if f.type in ("int", "int | None") else None
+        kwargs: dict[str, Any] = {"default": f.default, "help": f"load: {meta['help']} (default {f.default})"}
+        if kind is not None:
+            kwargs["type"] = kind
+        if meta["choices"]:
+            kwargs["choices"] = meta["choices"]
+        if meta["metavar"]:
+            kwargs["metavar"] = meta["metavar"]
+        out.append(((flag,), kwargs))
+    return out
+
+
+def dest(f: dataclasses.Field) -> str:
+    """The argparse attribute name of an option's flag."""
+    return _flag(f).lstrip("-").replace("-", "_")
+
+
+def from_arguments(args: Any) -> dict[str, Any]:
+    """Engine options from a parsed namespace: only those the user changed from the default."""
+    options = {}
+    for f in fields(EngineConfig):
+        value = getattr(args, dest(f))
+        if _flag(f).startswith("--no-"):
+            if value:
+                options[f.name] = False
+        elif value != f.default:
+            options[f.name] = value
+    return options
+
+
+def changed_flags(args: Any) -> list[str]:
+    """The load flags a parsed namespace set (for 'only applies to load' errors)."""
+    changed = from_arguments(args)
+    return [_flag(f) for f in fields(EngineConfig) if f.name in changed]

@@ -1,0 +1,126 @@
+"""GenerationFront: `generate`, `chat` and `stream` on top of `add_request` / `abort`, shared by
+the local engine and the server client so both behave the same to a caller.
+
+A host provides `add_request(prompt, params, request_id=None, priority=0, listener=None)`,
+`abort(request_id)`, `is_running` (a loop steps it in the background), `step()` (called by the
+caller's thread otherwise), `_handle(request_id)` (an object with a `done` Event and an `error`),
+`_result(handle)` (its RequestOutput) and `apply_chat_template(messages)`.
+"""
+from __future__ import annotations
+
+import queue
+from typing import Any, Iterator, Sequence as Seq
+
+from ..core.sampling_params import SamplingParams
+from .outputs import RequestOutput, StreamDelta
+
+
+def is_single_prompt(prompt: Any) -> bool:
+    """Text, one list of token ids, or a conversation the server templates (`.messages`)."""
+    if isinstance(prompt, str) or hasattr(prompt, "messages"):
+        return True
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+
+
+def prompt_list(prompts: Any) -> list:
+    if is_single_prompt(prompts):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def param_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
+    return params
+
+
+class GenerationFront:
+    """The high-level calls; see the module docstring for what a host must provide."""
+
+    def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion together; one RequestOutput per prompt, in order."""
+        prompts = prompt_list(prompts)
+        return self._wait(self._submit_all(prompts, param_list(params, len(prompts))), use_tqdm)
+
+    def chat(self, messages, params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Chat-template one conversation (a list of {role, content}) or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.apply_chat_template(c) for c in conversations], params, use_tqdm)
+
+    def stream(self, prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[StreamDelta]:
+        """Yield text increments as they are generated; closing the iterator aborts the request."""
+        listener: queue.SimpleQueue = queue.SimpleQueue()
+        rid = self.add_request(prompt, params, request_id, listener=listener)
+        handle = self._handle(rid)
+        try:
+            while True:
+                if not self.is_running:
+                    while listener.empty() and not handle.done.is_set():
+                        self.step()
+                    if listener.empty() and handle.done.is_set():
+                        if handle.error is not None:
+                            raise handle.error
+                        return
+                delta = listener.get()
+                yield delta
+                if delta.finished:
+                    if handle.error is not None:
+                        raise handle.error
+                    return
+        finally:
+            if not handle.done.is_set():
+                self.abort(rid)
+
+    # -- shared -------------------------------------------------------------------------------------
+    def _submit_all(self, prompts: list, params: list) -> list[str]:
+        """Add every request, or none: a rejected one aborts those already added."""
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        return ids
+
+    def _wait(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step (or wait for the loop) until every request is done; Ctrl-C aborts them all."""
+        handles = [self._handle(rid) for rid in ids]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(handles), desc="generate", unit="req")
+        try:
+            pending = list(handles)
+            while pending:
+                if self.is_running:
+                    pending[0].done.wait(timeout=0.1)
+                else:
+                    self.step()
+                left = [h for h in pending if not h.done.is_set()]
+                if bar is not None and len(left) < len(pending):
+                    bar.update(len(pending) - len(left))
+                pending = left
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        for h in handles:
+            if h.error is not None:
+                raise h.error
+        return [self._result(h) for h in handles]

@@ -1,0 +1,117 @@
+"""EngineInspection: what monitors, tables and status lines read off an engine, each under the
+engine's lock so that it describes one instant: gauges (`core.stats`, the one place they are
+computed), pool snapshots, the monitor feed's observations, request rows, the engine's identity,
+the invariants; plus the listener hooks monitors wake on."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from ..config import format_bytes
+from ..core.invariants import check_invariants
+from ..core.stats import EngineStats, engine_stats, pool_snapshot
+from . import extensions
+from .outputs import EngineInfo, Observation, RequestRow
+from .request import Request
+
+
+class EngineInspection:
+    """Mixed into `Engine`; reads the pool, scheduler, counters and requests it owns."""
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self._stats_locked()
+
+    def _stats_locked(self) -> EngineStats:
+        return engine_stats(self.pool, self.scheduler, self.counters,
+                            num_swapped_blocks=self.swap.num_used if self.swap is not None else 0,
+                            speculative=self.speculator.stats,
+                            finished=[r.metrics for r in self.finished_requests if r.error is None])
+
+    def pool_snapshot(self, block_ids: Iterable[int] | None = None) -> dict:
+        """Per-block state ('free', 'cached', 'used', 'shared'), ref counts and owners; with
+        `block_ids`, only those blocks, in that order (a monitor's diff: O(changed blocks))."""
+        with self._lock:
+            snap = pool_snapshot(self.pool, self.scheduler.live, block_ids)
+            spec = self.speculator.stats
+            # Drafts live only inside a locked step, so no block is ever "speculative" here;
+            # what the last step did with its drafts is reported instead.
+            snap["speculative"] = {"proposed": spec.num_proposed, "accepted": spec.num_accepted,
+                                   "acceptance_rate": spec.acceptance_rate,
+                                   "mean_accepted_length": spec.mean_accepted_length,
+                                   "last_step_draft_slots": spec.last_step_draft_slots,
+                                   "last_step_rolled_back_slots": spec.last_step_rolled_back,
+                                   "last_step_freed_blocks": list(spec.last_step_freed_blocks)}
+            return snap
+
+    def observe(self, full: bool = False) -> Observation:
+        """The monitor feed's one look, under one lock: gauges, the blocks touched since the last
+        observation (drained) and their snapshot (every block's when `full`)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            waited = time.perf_counter() - t0
+            touched = sorted(self.pool.drain_touched())
+            snap = None
+            if full or touched:
+                snap = pool_snapshot(self.pool, self.scheduler.live, None if full else touched)
+            return Observation(self.counters.num_steps, self._stats_locked(), None if full else touched,
+                               snap, waited)
+
+    def request_rows(self, finished: int = 20) -> list[RequestRow]:
+        """Live requests, oldest first, then the last `finished` finished ones."""
+        def row(req: Request, state: str) -> RequestRow:
+            seq = req.seqs[0]
+            return RequestRow(req.request_id, state, len(req.prompt_token_ids), seq.num_output_tokens,
+                              0 if seq.is_finished else len(seq.block_table.blocks), seq.num_cached_tokens,
+                              req.metrics.ttft, seq.finish_reason, req.error)
+        with self._lock:
+            return ([row(r, r.seqs[0].status.value) for r in self._requests.values()]
+                    + [row(r, "failed" if r.error is not None else "done")
+                       for r in list(self.finished_requests)[-finished:]])
+
+    def info(self) -> EngineInfo:
+        dtype = str(self.dtype).replace("torch.", "")
+        n, bs, kv = self.pool.num_blocks, self.block_size, self.kv_cache
+        packed = self.runner.packed
+        summary = (f"{self.name} on {self.device.type} ({dtype}): {n:,} blocks × {bs} = {n * bs:,} tokens "
+                   f"of KV, {kv.bytes_per_block:,} bytes per block, {format_bytes(kv.nbytes)} KV memory, "
+                   f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
+                   + (f", GEMMs on packed weights (+{format_bytes(packed.nbytes)})" if packed.layers else ""))
+        return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,
+                          prefix_caching=self.pool.enable_prefix_caching, max_model_len=self.max_model_len,
+                          swap_blocks=self.swap.num_slots if self.swap is not None else 0)
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` after every step, in the stepping thread: monitors wake on it instead
+        of polling. It runs under the engine lock, so it must be cheap (set an Event)."""
+        with self._lock:
+            self._step_listeners.append(listener)
+
+    def remove_step_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._step_listeners:
+                self._step_listeners.remove(listener)
+
+    def add_shutdown_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` once when the engine shuts down (a monitor feed closes on it)."""
+        with self._lock:
+            self._shutdown_listeners.append(listener)
+
+    @property
+    def monitor_feed(self):
+        """The one MonitorFeed of this engine (created on first use), shared by every monitor."""
+        return extensions.create("monitor_feed", self)
+
+    def monitor(self, **kwargs):
+        """The live block-pool widget (anywidget); display it in a notebook cell."""
+        return extensions.create("monitor", self, **kwargs)
+
+    def check_invariants(self) -> None:
+        """Assert the invariants of docs/design.md; an AssertionError names the broken one."""
+        with self._lock:
+            check_invariants(self.scheduler, self.swap)
+
+    def reset_prefix_cache(self) -> int:
+        with self._lock:
+            return self.pool.reset_cache()
+

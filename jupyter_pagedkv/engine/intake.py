@@ -1,0 +1,56 @@
+"""What a request must satisfy before it is queued: a prompt the model can read, a length the
+model and the pool can hold, a beam width the vocabulary allows. Each failure is one ValueError
+line that says what to change, raised before anything is queued."""
+from __future__ import annotations
+
+from ..core.sampling_params import BeamSearchParams, SamplingParams
+from ..decoding.beam_search import BeamSearch
+
+Prompt = str | list[int]
+
+
+def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt given as text or as token ids."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("empty prompt: give some text or token ids")
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids instead of text")
+        return prompt, tokenizer(prompt).input_ids
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("empty prompt: give some text or token ids")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    return None, ids
+
+
+def check_fits(ids: list[int], params: SamplingParams, max_model_len: int, block_size: int,
+               num_blocks: int) -> None:
+    """The prompt fits the model's context and one request fits the whole pool."""
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens but the model's context is "
+                         f"{max_model_len}: shorten the prompt")
+    need_tokens = min(len(ids) + params.max_tokens, max_model_len)
+    need_blocks = -(-need_tokens // block_size)
+    if need_blocks > num_blocks:
+        raise ValueError(
+            f"one request needs {need_blocks} blocks ({len(ids)} prompt + {params.max_tokens} "
+            f"new tokens) but the pool has {num_blocks}: lower max_tokens or load "
+            f"with more num_blocks / kv_cache_memory")
+
+
+def beam_state(ids: list[int], params: BeamSearchParams, eos_token_ids: set[int], max_model_len: int,
+               vocab_size: int, block_size: int, num_blocks: int) -> BeamSearch:
+    """The selection state of a beam request, once its width and worst-case blocks fit."""
+    beam = BeamSearch(params, len(ids), eos_token_ids, max_model_len)
+    if beam.num_candidates > vocab_size:
+        raise ValueError(f"beam_width {params.beam_width} keeps {beam.num_candidates} candidates per "
+                         f"step but the vocabulary has {vocab_size}: use a smaller beam_width")
+    need = beam.blocks_needed(len(ids), block_size)
+    if need > num_blocks:
+        raise ValueError(f"beam search with {params.beam_width} beams may need {need} blocks "
+                         f"({len(ids)} prompt + {beam.max_new_tokens} new tokens per beam) but the "
+                         f"pool has {num_blocks}: lower beam_width or max_tokens, or load "
+                         f"with more num_blocks / kv_cache_memory")
+    return beam

@@ -1,0 +1,112 @@
+"""OutputProcessor: new tokens in, stop decisions, text and streamed deltas out.
+
+Everything that turns a sampled token into something a caller sees lives here: the stop rules
+(stop token ids, EOS, stop strings, max_tokens, the model's context), detokenisation, the
+RequestOutput of a request, and the StreamDeltas its listeners receive (text withheld while it
+ends inside an incomplete UTF-8 character). The engine calls it under its lock.
+"""
+from __future__ import annotations
+
+from ..core.scheduler import Scheduler
+from ..core.sequence import Sequence
+from .outputs import CompletionOutput, RequestOutput, StreamDelta
+from .request import Request
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, scheduler: Scheduler) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.scheduler = scheduler
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- tokens ---------------------------------------------------------------------------------
+    def append_token(self, req: Request, seq: Sequence, token: int, now: float) -> None:
+        """Append one sampled token and finish the sequence if a stop rule says so."""
+        seq.token_ids.append(token)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.num_generated_tokens += 1
+        params = seq.params
+        reason: str | None = None
+        if token in params.stop_token_ids:
+            reason, seq.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif params.stop and self.tokenizer is not None:
+            text = self.decode(seq.output_token_ids)
+            for s in params.stop:
+                at = text.find(s)
+                if at >= 0:
+                    reason, seq.stop_reason, seq.text = "stop", s, text[:at]
+                    break
+        if reason is None and (seq.num_output_tokens >= params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def append_accepted(self, req: Request, seq: Sequence, accepted: list[int], now: float) -> int:
+        """Append verified draft tokens plus the target's own one; returns how many were
+        appended before a stop rule ended the sequence (all of them if none did)."""
+        for i, token in enumerate(accepted):
+            self.append_token(req, seq, token, now)
+            if seq.is_finished:
+                return i + 1
+        return len(accepted)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def finish(self, req: Request, now: float) -> None:
+        """Fix the final texts (and beam hypotheses) and tell the listeners."""
+        req.metrics.finish_time = now
+        for seq in req.seqs:
+            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+                seq.text = self.decode(seq.output_token_ids)
+        if req.beam is not None:
+            req.beam.finalize(self.decode, req.seqs)
+        self.publish(req)
+        req.done.set()
+
+    def output(self, req: Request) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(req.seqs):
+            text = seq.text if seq.is_finished else self.decode(seq.output_token_ids)
+            completions.append(CompletionOutput(i, text, list(seq.output_token_ids),
+                                                seq.finish_reason, seq.stop_reason))
+        if req.beam is not None and req.finished:
+            completions = [CompletionOutput(i, b.text, list(b.token_ids), b.finish_reason, score=b.score)
+                           for i, b in enumerate(req.beam.sequences)]
+        cached = req.seqs[0].num_cached_tokens or 0
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             req.finished, cached, req.metrics)
+
+    def publish(self, req: Request) -> None:
+        """Send each listener the text and tokens added since the last update."""
+        if not req.listeners:
+            return
+        seq = req.seqs[0]
+        finished = req.finished
+        tokens = seq.output_token_ids
+        text = seq.text if finished else self.decode(tokens)
+        if req.beam is not None:
+            if not finished:
+                return   # beams reorder every step: only the final hypotheses are published
+            tokens, text = req.beam.sequences[0].token_ids, req.beam.sequences[0].text
+        if not finished and text.endswith("\ufffd"):
+            return   # an incomplete UTF-8 sequence: wait for the next token
+        sent = "".join(req.sent_text)
+        new_tokens = tokens[len(req.sent_tokens):]
+        new_text = text[len(sent):] if text.startswith(sent) else text
+        if not new_tokens and not new_text and not finished:
+            return
+        req.sent_text.append(new_text)
+        req.sent_tokens.extend(new_tokens)
+        delta = StreamDelta(req.request_id, new_text, new_tokens, finished, seq.finish_reason,
+                            self.output(req) if finished else None, req.error if finished else None)
+        for q in req.listeners:
+            q.put(delta)

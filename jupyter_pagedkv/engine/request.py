@@ -1,0 +1,33 @@
+"""Request: the engine-side state of one request (its sequences, metrics, listeners, error)."""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from ..core.sampling_params import SamplingParams
+from ..core.sequence import Sequence
+from ..decoding.beam_search import BeamSearch
+from .outputs import RequestMetrics
+
+
+@dataclass(eq=False)
+class Request:
+    """One request: `seqs` holds its sample (n > 1: its samples; beam search: its live beams)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    done: threading.Event = field(default_factory=threading.Event)
+    listeners: list[queue.SimpleQueue] = field(default_factory=list)
+    sent_text: list[str] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+    beam: BeamSearch | None = None      # set for beam search requests
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,125 @@
+"""The magics' options and cell parsing: `%pagedkv load` flags (one per EngineConfig field), the
+sampling flags `%%generate` and `%%chat` share, `{name}` interpolation, `---` separated prompts,
+shell-quoted option lines. Every user mistake is one UsageError line."""
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any, Callable
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument
+
+from ..config import load_arguments as config_arguments
+
+DEFAULT_MAX_TOKENS = 128
+_FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)*)\}")
+_SEPARATOR = re.compile(r"^[ \t]*---[ \t]*$", re.MULTILINE)
+SESSION_NAME = re.compile(r"^[\w.-]+$")
+
+def interpolate(text: str, namespace: dict[str, Any]) -> str:
+    """Replace {name} and {name.attr} from the user namespace; other braces stay as written."""
+    def sub(m: re.Match) -> str:
+        if m.group(0) in ("{{", "}}"):
+            return m.group(0)[0]
+        name = m.group(1)
+        if name not in namespace:
+            raise UsageError(f"the prompt uses {{{name}}} but {name!r} is not defined: define it, "
+                             f"or write {{{{{name}}}}} for literal braces")
+        value = namespace[name]
+        for attr in filter(None, m.group(2).split(".")):
+            if not hasattr(value, attr):
+                raise UsageError(f"the prompt uses {m.group(0)} but {name}{m.group(2)} does not exist")
+            value = getattr(value, attr)
+        return str(value)
+    return _FIELD.sub(sub, text)
+
+
+def split_prompts(cell: str) -> list[str]:
+    """Prompts separated by lines holding only `---`; each is stripped and must not be empty."""
+    parts = [p.strip() for p in _SEPARATOR.split(cell)]
+    if not any(parts):
+        raise UsageError("the cell is empty: write the prompt below the magic line")
+    if not all(parts):
+        raise UsageError("an empty prompt next to a `---` line: remove the extra separator")
+    return parts
+
+
+def parse_connect(rest: str):
+    """`%pagedkv connect` options; a mistake is one UsageError line."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):
+            raise UsageError(f"{message} (e.g. %pagedkv connect http://127.0.0.1:8000 --model NAME)")
+
+    p = Parser(prog="%pagedkv connect", add_help=False)
+    p.add_argument("url")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT")
+    p.add_argument("--kv-events-topic", default="")
+    try:
+        argv = shlex.split(rest)
+    except ValueError as err:
+        raise UsageError(f"cannot read the options: {err} (check the quotes)") from None
+    return p.parse_args(argv)
+
+
+def parse_line(magic: Callable, line: str):
+    """Parse a magic's options with shell quoting (`--system "Be brief."` loses its quotes, unlike
+    IPython's own splitter); every mistake is one UsageError line."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as err:
+        raise UsageError(f"cannot read the options: {err} (check the quotes)") from None
+    return magic.parser.parse_args(argv)
+
+
+def unescape(s: str) -> str:
+    """Let `--stop "\\n"` mean a newline, as a user types it."""
+    return s.encode("utf-8").decode("unicode_escape") if "\\" in s else s
+
+
+def load_arguments(f: Callable) -> Callable:
+    """`%pagedkv load`'s options: one per EngineConfig field, with its flag, default and help."""
+    for args, kwargs in reversed(config_arguments()):
+        f = argument(*args, **kwargs)(f)
+    return f
+
+
+def sampling_arguments(f: Callable) -> Callable:
+    """The options %%generate and %%chat share."""
+    for arg in reversed([
+        argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                 help=f"most tokens to generate per prompt (default {DEFAULT_MAX_TOKENS})"),
+        argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)"),
+        argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]"),
+        argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)"),
+        argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling"),
+        argument("--stop", action="append", default=None, metavar="S",
+                 help="stop when the text contains S (repeatable; \\n and \\t are understood)"),
+        argument("--system", default=None, metavar="TEXT", help="system message for the chat template"),
+        argument("--out", default=None, metavar="VAR",
+                 help="store the RequestOutput (a list for several prompts) in variable VAR"),
+        argument("--no-stream", action="store_true", help="show the text only when it is complete"),
+    ]):
+        f = arg(f)
+    return f
+
+
+def beam_params(args):
+    """--beams B: deterministic beam search; sampling and stop options have no meaning there."""
+    from ..core.sampling_params import BeamSearchParams
+    if args.beams < 1:
+        raise UsageError(f"--beams must be >= 1, got {args.beams}")
+    clash = [name for name, used in (("--n", args.n != 1), ("--temperature", args.temperature != 0.0),
+                                     ("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
+                                     ("--seed", args.seed is not None), ("--stop", bool(args.stop)),
+                                     ("--speculative", args.speculative is not None))
+             if used]
+    if clash:
+        raise UsageError(f"--beams is deterministic and cannot be combined with {', '.join(clash)}: "
+                         f"drop {'it' if len(clash) == 1 else 'them'}")
+    return BeamSearchParams(beam_width=args.beams, max_tokens=args.max_tokens)

@@ -1,0 +1,89 @@
+"""EngineClient: what a magic, a widget, a monitor or a benchmark may call on an engine, local
+(`Engine`) or a server's (`RemoteEngine`), and the read-only views it gets back.
+
+Front ends depend on this interface, never on an engine's private fields: no lock, no scheduler
+queue, no pool. Both implementations satisfy it (tests/test_architecture.py checks them), so a
+view written against it draws a server exactly as it draws the kernel's own engine.
+"""
+from __future__ import annotations
+
+import queue
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+
+from .core.sampling_params import SamplingParams
+from .core.stats import EngineStats
+from .engine.outputs import EngineInfo, Observation, RequestOutput, RequestRow, StreamDelta
+
+__all__ = ["EngineClient", "EngineInfo", "EngineStats", "Observation", "RequestOutput", "RequestRow",
+           "StreamDelta"]
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    name: str
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, listener: queue.SimpleQueue | None = None) -> str:
+        """Queue one request; its StreamDeltas go to `listener`. Bad input: ValueError, one line."""
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a live request and free what it holds; False if it was not live."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]: ...
+
+    def chat(self, messages: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]: ...
+
+    def stream(self, prompt: Any, params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[StreamDelta]: ...
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> Any:
+        """A prompt for `add_request` from a conversation (token ids, or the conversation itself
+        for a server that templates it)."""
+
+    def chat_prompt(self, messages: list[dict], previous: list[int] | None = None) -> tuple[Any, bool]:
+        """The next prompt of a conversation and whether it extends `previous` (cache reuse)."""
+
+    def add_drafter(self, speculative: Any) -> str:
+        """Register a drafter for speculative decoding (ValueError where it cannot run)."""
+
+    # -- running -----------------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    # -- views -------------------------------------------------------------------------------------
+    def info(self) -> EngineInfo: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def pool_snapshot(self, block_ids: Iterable[int] | None = None) -> dict: ...
+
+    def observe(self, full: bool = False) -> Observation:
+        """Gauges plus the blocks changed since the last observation, in one consistent look."""
+
+    def request_rows(self, finished: int = 20) -> list[RequestRow]: ...
+
+    def check_invariants(self) -> None: ...
+
+    def reset_prefix_cache(self) -> int: ...
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None:
+        """Called after each step (a server client has no steps: a monitor then polls)."""
+
+    def remove_step_listener(self, listener: Callable[[], None]) -> None: ...
+
+    def add_shutdown_listener(self, listener: Callable[[], None]) -> None: ...
+
+    def monitor(self, **kwargs: Any) -> Any:
+        """The live block-pool widget of this engine."""
