@@ -78,6 +78,10 @@ class EngineConfig:
     pack_weights: bool | None = option(
         None, "plain torch GEMMs on the CPU (saves a packed copy of the weights; slower)",
         flag="--no-pack-weights")
+    pad_decode: bool = option(False, "pad decode-only steps to bucket sizes in static buffers (what "
+                                     "CUDA graphs replay; implied by --cuda-graphs)", flag="--pad-decode")
+    cuda_graphs: bool = option(False, "capture decode steps as CUDA graphs (CUDA only; off until a GPU "
+                                      "run has verified it, see docs/kernels.md)", flag="--cuda-graphs")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,7 +124,7 @@ def load_arguments() -> list[tuple[tuple, dict]]:
     out = []
     for f in fields(EngineConfig):
         flag, meta = _flag(f), f.metadata
-        if flag.startswith("--no-"):
+        if flag.startswith("--no-") or f.default is False:
             out.append(((flag,), {"action": "store_true", "help": f"load: {meta['help']}"}))
             continue
         kind = int if f.type in ("int", "int | None") else None
@@ -148,6 +152,9 @@ def from_arguments(args: Any) -> dict[str, Any]:
         if _flag(f).startswith("--no-"):
             if value:
                 options[f.name] = False
+        elif f.default is False:
+            if value:
+                options[f.name] = True
         elif value != f.default:
             options[f.name] = value
     return options

@@ -34,11 +34,12 @@ class Part:
 
 # In order of value per second: what must be known first runs first.
 PARTS = (
-    Part("env", "Environment", 30, 60),
-    Part("kernel_tests", "Kernel tests on the device (no interpreter on CUDA)", 120, 300),
-    Part("exactness", "Engine exactness against transformers generate (sdpa), same device", 90, 420),
-    Part("kernel_bench", "Decode kernel: paged vs contiguous SDPA, share of copy bandwidth", 60, 120),
-    Part("throughput_small", "End to end, SmolLM2-135M shape: ours vs transformers", 80, 300),
+    Part("env", "Environment", 20, 60),
+    Part("kernel_tests", "Kernel tests on the device (no interpreter on CUDA)", 100, 300),
+    Part("exactness", "Engine exactness against transformers generate (sdpa), same device", 80, 420),
+    Part("kernel_bench", "Decode kernel: paged vs contiguous SDPA, share of copy bandwidth", 50, 120),
+    Part("graphs", "Decode steps as CUDA graphs: replay vs eager, speed-up, host share", 70, 300),
+    Part("throughput_small", "End to end, SmolLM2-135M shape: ours vs transformers", 70, 300),
     Part("throughput_large", "End to end, Llama-3-8B shape: ours vs transformers", 150, 300),
 )
 

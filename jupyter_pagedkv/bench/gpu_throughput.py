@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from ..worker.step_timing import summarize
+
 from .gpu_report import Report, device
 from .hf_peers import hf_continuous, hf_padded
 from .models import shaped_model
@@ -21,6 +23,9 @@ from .models import shaped_model
 logger = logging.getLogger(__name__)
 
 SYSTEMS = ("jupyter-pagedkv", "HF continuous batching", "HF generate, one padded batch")
+# Our engine with its decode steps padded to buckets: replayed as CUDA graphs on a GPU; on a CPU
+# (the rehearsal) run eagerly, which exercises the same code path.
+GRAPHS = "jupyter-pagedkv, CUDA graphs"
 
 
 def workload(n: int, vocab: int, smoke: bool, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -36,8 +41,11 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(model, prompts, limits, *, backend: str, budget_tokens: int, timings: list | None) -> tuple[list, dict]:
-    """Our engine with its KV cache sized from free memory (the default on CUDA)."""
+def run_ours(model, prompts, limits, *, backend: str, budget_tokens: int, timings: list | None,
+             **options) -> tuple[list, dict]:
+    """Our engine with its KV cache sized from free memory (the default on CUDA); CUDA graphs,
+    when asked for, are captured before the clock starts. Returns the outputs and facts, among
+    them the seconds `generate` took."""
     from ..core.sampling_params import SamplingParams
     from ..engine.engine import Engine
 
@@ -45,17 +53,23 @@ def run_ours(model, prompts, limits, *, backend: str, budget_tokens: int, timing
         torch.cuda.reset_peak_memory_stats()
     engine = Engine(model, attention_backend=backend, max_num_seqs=max(len(prompts), 1),
                     max_num_batched_tokens=budget_tokens, pack_weights=False,
-                    **({} if torch.cuda.is_available() else {"kv_cache_memory": "256MiB"}))
+                    **({} if torch.cuda.is_available() else {"kv_cache_memory": "256MiB"}), **options)
     try:
+        captured = engine.warm_up()
         engine.step_timings = timings
+        _sync()
+        t0 = time.perf_counter()
         outs = engine.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                                          for m in limits])
+        _sync()
+        seconds = time.perf_counter() - t0
         engine.check_invariants()
-        info = engine.info()
-        facts = {"num_blocks": info.num_blocks, "block_size": info.block_size,
+        info, stats = engine.info(), engine.stats()
+        facts = {"seconds": seconds, "num_blocks": info.num_blocks, "block_size": info.block_size,
                  "kv_gib": round(info.kv_bytes / 2**30, 2),
                  "max_running": max((t.num_seqs for t in timings), default=None) if timings else None,
-                 "preemptions": engine.stats().num_preemptions}
+                 "preemptions": stats.num_preemptions, "graphs_captured": captured,
+                 "graph_replays": stats.num_graph_replays}
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             facts.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -93,13 +107,17 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
     on_gpu = dev.type == "cuda"
     backend = "triton"          # the engine's GPU path; on a CPU rehearsal, Triton's interpreter
     layers = 1 if smoke else None
-    dtype = torch.bfloat16
-    model = shaped_model(shape, dtype, dev, num_layers=layers)
+    model = shaped_model(shape, torch.bfloat16, dev, num_layers=layers)
     vocab = model.config.vocab_size
     concurrency = (4, 8) if smoke else (64, 256)
     budget = 8192 if on_gpu else 512
+    # Ours twice: as it ships (eager), and with decode steps replayed as CUDA graphs (on a CPU,
+    # padded eagerly: the same code path, no graphs).
+    ours = {SYSTEMS[0]: {}, GRAPHS: {"cuda_graphs": True} if on_gpu else {"pad_decode": True}}
+    systems = [SYSTEMS[0], GRAPHS, *SYSTEMS[1:]]
     report.line(f"{shape} shape{f', {layers} layer' if layers else ''}, random weights, bf16, greedy, EOS "
-                f"ignored; {dev.type}; attention backend {backend}; token budget per step {budget}")
+                f"ignored; {dev.type}; attention backend {backend}; token budget per step {budget}"
+                + ("" if on_gpu else f"; '{GRAPHS}' runs padded eagerly here (no CUDA)"))
     report.line("")
     report.line("| requests | system | tokens | seconds | tokens/s | ours / system |")
     report.line("|---:|---|---:|---:|---:|---:|")
@@ -108,21 +126,24 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
     with torch.inference_mode():
         # Warm-up: compiles kernels and fills caches on a small run of every system.
         wp, wl = workload(2, vocab, True, seed=99)
-        run_ours(model, wp, wl, backend=backend, budget_tokens=budget, timings=None)
+        for options in ours.values():
+            run_ours(model, wp, wl, backend=backend, budget_tokens=budget, timings=None, **options)
         run_hf_continuous(model, wp, wl)
         run_hf_padded(model, wp, wl)
         for n in concurrency:
             prompts, limits = workload(n, vocab, smoke, seed=n)
             tokens = sum(limits)
             outputs, seconds = {}, {}
-            for name in SYSTEMS:
+            for name in systems:
                 _sync()
                 t0 = time.perf_counter()
                 try:
-                    if name == SYSTEMS[0]:
+                    if name in ours:
                         timings: list = []
-                        outputs[name], kv[n] = run_ours(model, prompts, limits, backend=backend,
-                                                        budget_tokens=budget, timings=timings)
+                        outputs[name], facts = run_ours(model, prompts, limits, backend=backend,
+                                                        budget_tokens=budget, timings=timings, **ours[name])
+                        kv[f"{n} {name}"] = facts
+                        breakdowns[f"{n} {name}"] = summarize(timings, min_decode=max(1, n // 2))
                     elif name == SYSTEMS[1]:
                         outputs[name] = run_hf_continuous(model, prompts, limits)
                     else:
@@ -130,13 +151,13 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
                 except Exception as err:   # a peer failing is a finding; ours failing fails the part
                     logger.warning("%s at %d requests failed", name, n, exc_info=True)
                     report.line(f"| {n} | {name} | failed: {type(err).__name__}: {str(err)[:200]} | | | |")
-                    ok &= name != SYSTEMS[0]
+                    ok &= name not in ours
                     _empty()
                     continue
                 _sync()
-                seconds[name] = time.perf_counter() - t0
+                seconds[name] = facts["seconds"] if name in ours else time.perf_counter() - t0
                 produced = sum(len(o) for o in outputs[name])
-                ok &= produced == tokens or name != SYSTEMS[0]
+                ok &= produced == tokens or name not in ours
                 ours_s = seconds.get(SYSTEMS[0])
                 ratio = f"{seconds[name] / ours_s:.2f}x" if ours_s else "-"
                 rows.append({"requests": n, "system": name, "tokens": produced, "seconds": seconds[name],
@@ -144,13 +165,11 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
                 report.put("rows", rows)
                 report.line(f"| {n} | {name} | {produced} | {seconds[name]:.2f} | "
                             f"{produced / seconds[name]:.0f} | {ratio} |")
-            from jupyter_pagedkv.worker.step_timing import summarize
-            breakdowns[n] = summarize(timings, min_decode=max(1, n // 2)) if SYSTEMS[0] in outputs else {}
-            agree = {name: sum(a == b for a, b in zip(outputs[SYSTEMS[0]], outs))
-                     for name, outs in outputs.items() if name != SYSTEMS[0] and SYSTEMS[0] in outputs}
+            if SYSTEMS[0] in outputs:
+                report.put(f"greedy_agreement_{n}", {name: sum(a == b for a, b in zip(outputs[SYSTEMS[0]], outs))
+                                                     for name, outs in outputs.items() if name != SYSTEMS[0]})
             report.put("breakdown", breakdowns)
             report.put("kv", kv)
-            report.put(f"greedy_agreement_{n}", agree)
     report.line("")
     report.line("Greedy outputs equal to ours (bf16: reduction order may flip near-ties): " + "; ".join(
         f"{n} requests: " + ", ".join(f"{k} {v}/{n}" for k, v in report.data.get(f"greedy_agreement_{n}", {}).items())
@@ -158,19 +177,19 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
     report.line("")
     report.line("Our decode steps (at least half the requests running), median per phase, ms:")
     report.line("")
-    report.line("| requests | steps | batch | schedule | prepare | launch | device forward | wait | sample | "
+    report.line("| run | steps | batch | schedule | prepare | launch | device forward | wait | sample | "
                 "step | host share |")
-    report.line("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n, b in breakdowns.items():
+    report.line("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for key, b in breakdowns.items():
         if b.get("steps"):
             ms = lambda k: f"{b[k] * 1e3:.2f}" if b.get(k) is not None else "-"
             share = f"{b['host_fraction']:.0%}" if "host_fraction" in b else "-"
-            report.line(f"| {n} | {b['steps']} | {b['median_batch']:.0f} | {ms('schedule_s')} | {ms('prepare_s')} | "
-                        f"{ms('launch_s')} | {ms('device_s')} | {ms('wait_s')} | {ms('sample_s')} | "
-                        f"{ms('total_s')} | {share} |")
+            report.line(f"| {key} | {b['steps']} | {b['median_batch']:.0f} | {ms('schedule_s')} | "
+                        f"{ms('prepare_s')} | {ms('launch_s')} | {ms('device_s')} | {ms('wait_s')} | "
+                        f"{ms('sample_s')} | {ms('total_s')} | {share} |")
     report.line("")
-    for n, facts in kv.items():
-        report.line(f"KV at {n} requests: {facts}")
+    for key, facts in kv.items():
+        report.line(f"KV, {key}: {facts}")
     report.finish(ok)
 
 

@@ -70,6 +70,9 @@ class EngineStats:
     # Blocks per state ("free", "cached", "used", "shared", ...), for legends and block maps.
     states: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
+    # Decode-only steps run padded to a bucket size, and of those, replayed from a CUDA graph.
+    num_padded_steps: int = 0
+    num_graph_replays: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -192,7 +195,7 @@ def num_preempted(scheduler: Scheduler) -> int:
 
 
 def engine_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters, *,
-                 num_swapped_blocks: int = 0, speculative: Any = None,
+                 num_swapped_blocks: int = 0, speculative: Any = None, padded: Any = None,
                  finished: Iterable[Any] = (), now: float | None = None) -> EngineStats:
     """Every gauge at this instant (call it under the engine's lock). `speculative` is the
     speculator's counters (drafts proposed / kept); `finished` the metrics of finished requests."""
@@ -219,7 +222,9 @@ def engine_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters
         num_swapped_blocks=num_swapped_blocks, tokens_per_s=counters.throughput.rate(now),
         num_generated_tokens=counters.num_generated_tokens, num_finished=counters.num_finished,
         latency_percentiles=latency_percentiles(finished), num_block_refs=pool.num_refs,
-        states={k: v for k, v in states.items() if v}, num_steps=counters.num_steps, **spec)
+        states={k: v for k, v in states.items() if v}, num_steps=counters.num_steps,
+        num_padded_steps=padded.num_steps if padded is not None else 0,
+        num_graph_replays=padded.num_replays if padded is not None else 0, **spec)
 
 
 def block_state(block) -> str:

@@ -31,6 +31,7 @@ from ..decoding.beam_search import BeamSearchOutput
 from ..decoding.speculative import Speculator
 from ..worker.kv_cache import KVCache, KVSpec
 from ..worker.model_runner import ModelRunner
+from ..worker.padded_decode import PaddedDecode
 from ..worker.sampler import Sampler
 from ..worker.step_timing import StepTiming
 from . import extensions, intake, setup
@@ -67,7 +68,8 @@ class Engine(EngineInspection, GenerationFront):
         self.allocator, self.preemption_mode, self.seed = config.allocator, config.preemption_mode, config.seed
         # The contiguous baseline shares nothing, so it caches no prefix either.
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching and self.allocator == "paged")
-        self.kv_cache = KVCache(self.spec, num_blocks, bs, self.device)
+        pad = config.pad_decode or config.cuda_graphs
+        self.kv_cache = KVCache(self.spec, num_blocks, bs, self.device, scratch=pad)
         self.swap = setup.swap_space(config.swap_space, self.kv_cache) if self.preemption_mode == "swap" else None
         arena = ContiguousArena(self.pool) if self.allocator == "contiguous" else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
@@ -78,7 +80,9 @@ class Engine(EngineInspection, GenerationFront):
         from ..worker.packed_linear import should_pack
         backend = resolve_backend(self.device, None if config.attention_backend == "auto" else config.attention_backend)
         self.pack_weights = should_pack(self.device, self.dtype, config.pack_weights)
-        self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights)
+        padded = PaddedDecode(model, self.kv_cache, backend, config.max_num_seqs, self.max_model_len,
+                              capture=config.cuda_graphs) if pad else None
+        self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights, padded)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = setup.eos_token_ids(model, tokenizer)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler)
@@ -366,6 +370,15 @@ class Engine(EngineInspection, GenerationFront):
     def _result(self, req: Request) -> RequestOutput:
         return self.outputs.output(req)
 
+    def warm_up(self) -> int:
+        """Capture every decode bucket's CUDA graph now (`cuda_graphs=True`), so that no request
+        pays for a capture later; returns how many graphs were captured (0 without graphs)."""
+        padded = self.runner.padded
+        if padded is None or not padded.capture:
+            return 0
+        with self._lock, torch.inference_mode():
+            return padded.capture_all()
+
     # -- background stepping ------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
@@ -388,6 +401,8 @@ class Engine(EngineInspection, GenerationFront):
                 self.abort(rid)
             self.kv_cache.release()
             self.runner.packed.release()
+            if self.runner.padded is not None:
+                self.runner.padded.release()
             for drafter in self.speculator.drafters.values():
                 if hasattr(drafter, "release"):
                     drafter.release()

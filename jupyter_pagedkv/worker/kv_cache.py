@@ -34,11 +34,14 @@ class KVCache:
     """The device memory behind the BlockPool: one K and one V tensor spanning all layers."""
 
     def __init__(self, spec: KVSpec, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", scratch: bool = False) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # One block past the pool's, never handed out: padding rows of a padded decode step
+        # (worker/padded_decode.py) write and read their K/V there.
+        self.scratch_block = num_blocks if scratch else None
+        shape = (spec.num_layers, num_blocks + int(scratch), block_size, spec.num_kv_heads, spec.head_dim)
         # Zeros, not empty: padded gathers read unused slots and 0 * NaN would poison attention.
         self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)

@@ -10,6 +10,7 @@ from ..core.scheduler import ScheduledChunk
 from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additive_mask
 from .kv_cache import KVCache
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
+from .padded_decode import PaddedDecode
 from .step_timing import ForwardClock
 
 logger = logging.getLogger(__name__)
@@ -20,8 +21,9 @@ class ModelRunner:
     with our attention, and returns logits only for chunks that end at their sequence's last token."""
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch",
-                 pack_weights: bool = False) -> None:
+                 pack_weights: bool = False, padded: PaddedDecode | None = None) -> None:
         self.model = model
+        self.padded = padded          # decode-only steps in bucket shapes (CUDA graphs on a GPU)
         self.kv_cache = kv_cache
         self.device = device
         self.backend = backend
@@ -140,13 +142,20 @@ class ModelRunner:
         else:
             self.kv_cache.copy_blocks(copies)
         self.kv_cache.swap_in(list(swap_in))
-        ordered, inputs = self.prepare(chunks)
+        batch = self.padded.prepare(chunks) if self.padded is not None else None
+        if batch is not None:
+            ordered = chunks                    # decode-only: every chunk samples, in order
+        else:
+            ordered, inputs = self.prepare(chunks)
         t0 = time.perf_counter()
         self.last_prepare_s = t0 - t_prep
         self.clock.start()
         with packed_gemms(self.packed):
-            out = self.model(**inputs, use_cache=False)
-        logits = out.logits[0].float()
+            if batch is not None:
+                logits = self.padded.run(batch, len(chunks))
+            else:
+                logits = self.model(**inputs, use_cache=False).logits[0]
+        logits = logits.float()
         self.clock.stop()
         self.last_forward_s = time.perf_counter() - t0
         return [c for c in ordered if c.samples], logits

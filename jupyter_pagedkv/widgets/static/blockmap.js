@@ -2,7 +2,7 @@
 // anywidget module of jupyter_pagedkv.widgets.BlockPoolMonitor (no build step), and the JupyterLab
 // side panel (labextension/src/index.ts) imports the named exports. Plain ES2020, no imports.
 //
-// Data: frames from jupyter_pagedkv/monitor_feed.py. A full frame replaces the picture; a diff
+// Data: frames from jupyter_pagedkv/monitor/feed.py. A full frame replaces the picture; a diff
 // (`prev` = the seq it applies on) carries parallel arrays ids (uint32), codes (uint8, index into
 // `legend`) and refs (uint8, ref count capped at 255) for the blocks that changed.
 
