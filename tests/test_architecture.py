@@ -215,8 +215,8 @@ def test_modules_that_catch_broadly_log_what_they_swallow():
                     break
                 block.append(nxt)
             body = "\n".join(block)
-            if "raise" in body:
-                continue                       # re-raised: nothing swallowed
+            if "raise" in body or "self._fail(" in body:
+                continue                       # re-raised, or handed to the engine's failure path (it logs)
             if "logger." not in body or "logging.getLogger(__name__)" not in text:
                 quiet.append(f"{path.relative_to(ROOT)}:{i + 1}")
     assert not quiet, "broad excepts that swallow without logging:\n" + "\n".join(quiet)

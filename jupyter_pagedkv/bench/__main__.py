@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,monitor,kernels,gpu} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,monitor,kernels,gpu,soak} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +25,8 @@ def main(argv: list[str]) -> int:
         from .tail import main as run
     elif name == "monitor":
         from .monitor import main as run
+    elif name == "soak":
+        from .soak import main as run
     elif name == "gpu":
         from .gpu import main as run
     elif name == "kernels":

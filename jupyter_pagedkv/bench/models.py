@@ -104,6 +104,27 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool) 
     return out[0, len(prompt):].tolist()
 
 
+@torch.inference_mode()
+def hf_beams(model, prompt: list[int], beam_width: int, max_tokens: int, length_penalty: float = 1.0,
+             early_stopping: bool | str = False, ignore_eos: bool = False) -> list[tuple[list[int], float]]:
+    """Transformers' own beam search on one unpadded prompt: (generated tokens, score), best first."""
+    device = next(model.parameters()).device
+    with attention(model, "sdpa"):
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             num_beams=beam_width, num_return_sequences=beam_width, do_sample=False,
+                             length_penalty=length_penalty, early_stopping=early_stopping,
+                             # No EOS: an empty list, with pad id 1 (its beam padding reads
+                             # `pad or eos[0]`, and 0 is falsy).
+                             eos_token_id=[] if ignore_eos else model.generation_config.eos_token_id,
+                             pad_token_id=1 if ignore_eos else (model.generation_config.pad_token_id or 0),
+                             return_dict_in_generate=True, output_scores=True,
+                             temperature=None, top_p=None, top_k=None)
+    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
+    return [(out.sequences[i, len(prompt):len(prompt) + n].tolist(), float(out.sequences_scores[i]))
+            for i, n in enumerate(lengths)]
+
+
 @dataclass(frozen=True)
 class Agreement:
     """How an output compares with the oracle's: identical, or first differing at `index`

@@ -1,6 +1,7 @@
 """What a caller asks of one request: how to pick tokens and when to stop (vLLM's names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -24,7 +25,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
@@ -32,12 +33,16 @@ class SamplingParams:
         """Reject nonsense early, with a message that says what to pass instead."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty text, got {self.stop!r}: drop the empty one")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if not (self.speculative is None or isinstance(self.speculative, (bool, str))) or \
@@ -73,5 +78,10 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
+        if not _finite(self.length_penalty):
             raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+
+
+def _finite(x) -> bool:
+    """A real number that is neither nan nor infinite (bools are not numbers here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

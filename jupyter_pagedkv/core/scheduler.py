@@ -55,6 +55,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, device block)
     preempted: list[Sequence] = field(default_factory=list)
+    resumed: list[Sequence] = field(default_factory=list)          # swapped back in this step
 
     @property
     def num_tokens(self) -> int:
@@ -251,6 +252,7 @@ class Scheduler:
         table.blocks = [pool.allocate() for _ in seq.swap_slots]
         table.num_slots = seq.swapped_num_slots
         out.swap_in.extend(zip(seq.swap_slots, table.block_ids))
+        out.resumed.append(seq)
         self.swap.free(seq.swap_slots)
         seq.swap_slots = []
         self.swapped.popleft()

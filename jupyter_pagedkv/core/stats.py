@@ -73,6 +73,7 @@ class EngineStats:
     # Decode-only steps run padded to a bucket size, and of those, replayed from a CUDA graph.
     num_padded_steps: int = 0
     num_graph_replays: int = 0
+    num_swap_outs: int = 0            # preemptions that swapped a sequence's blocks to the host
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -224,7 +225,8 @@ def engine_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters
         latency_percentiles=latency_percentiles(finished), num_block_refs=pool.num_refs,
         states={k: v for k, v in states.items() if v}, num_steps=counters.num_steps,
         num_padded_steps=padded.num_steps if padded is not None else 0,
-        num_graph_replays=padded.num_replays if padded is not None else 0, **spec)
+        num_graph_replays=padded.num_replays if padded is not None else 0,
+        num_swap_outs=scheduler.num_swap_outs, **spec)
 
 
 def block_state(block) -> str:

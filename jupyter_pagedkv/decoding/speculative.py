@@ -14,6 +14,7 @@ about the same for 1 or k + 1 query tokens (CPU decode is bound by reading the w
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from .drafters import Drafter, Proposal
 from ..core.scheduler import ScheduledChunk, SchedulerOutput
 from ..core.sequence import Sequence
 from .verification import verify_greedy, verify_sampled
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -156,6 +159,7 @@ class Speculator:
         self.stats = SpeculativeStats()
         self.cost = StepCost()
         self._policy: weakref.WeakKeyDictionary[Sequence, DraftLengthPolicy] = weakref.WeakKeyDictionary()
+        self._failures: list[tuple[Sequence, Exception]] = []
 
     def drafter_for(self, seq: Sequence) -> Drafter | None:
         choice = seq.params.speculative
@@ -202,7 +206,17 @@ class Speculator:
         for name, items in groups.items():
             drafter = self.drafters[name]
             seqs = [c.seq for c, _ in items]
-            proposals = drafter.propose(seqs, [k for _, k in items], sched.copies)
+            try:
+                proposals = drafter.propose(seqs, [k for _, k in items], sched.copies)
+            except Exception as err:
+                # Their plain decode chunks still run (other chunks may adopt blocks they complete);
+                # the engine ends these requests after the forward (`take_failures`).
+                logger.warning("drafter %r failed for %d sequence(s): %s", name, len(seqs), err)
+                for seq in seqs:
+                    if drafter.needs_slots:
+                        seq.block_table.rollback(seq.num_tokens)      # the slots reserved for drafts
+                    self._failures.append((seq, err))
+                continue
             for (c, k), prop in zip(items, proposals):
                 seq, base = c.seq, c.seq.num_tokens
                 n = min(len(prop.tokens), k)
@@ -275,6 +289,11 @@ class Speculator:
             verified.append((seq, out))
         plain_logits = logits if len(plain_rows) == row else logits[plain_rows]
         return plain, plain_logits, verified
+
+    def take_failures(self) -> list[tuple[Sequence, Exception]]:
+        """The sequences whose drafter raised this step, and why (handed over once)."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def roll_back(self, seq: Sequence, num_computed: int) -> None:
         """Keep KV slots for `num_computed` positions only; emptied blocks return to the pool now."""

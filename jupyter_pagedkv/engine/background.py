@@ -16,8 +16,8 @@ logger = logging.getLogger(__name__)
 
 class StepLoop:
     def __init__(self, step: Callable[[], object], has_work: Callable[[], bool],
-                 work: threading.Condition) -> None:
-        self._step, self._has_work, self._work = step, has_work, work
+                 work: threading.Condition, on_death: Callable[[BaseException], None]) -> None:
+        self._step, self._has_work, self._work, self._on_death = step, has_work, work, on_death
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._last_error: str | None = None
@@ -43,6 +43,14 @@ class StepLoop:
         self._thread = None
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as err:   # only what Exception does not cover (SystemExit, ...)
+            logger.error("the engine loop died (%s); its live requests end with the error",
+                         type(err).__name__, exc_info=True)
+            self._on_death(err)
+
+    def _serve(self) -> None:
         while True:
             with self._work:
                 while not self._stopping and not self._has_work():

@@ -7,7 +7,6 @@ tokens into text and deltas is the `OutputProcessor`; `generate` / `chat` / `str
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
@@ -24,7 +23,7 @@ from ..core.block_pool import BlockPool
 from ..core.block_table import BlockTable
 from ..core.contiguous import ContiguousArena
 from ..core.sampling_params import BeamSearchParams, SamplingParams
-from ..core.scheduler import Scheduler, SchedulerOutput, StepRecord
+from ..core.scheduler import Scheduler, StepRecord
 from ..core.sequence import Sequence
 from ..core.stats import EngineCounters
 from ..decoding.beam_search import BeamSearchOutput
@@ -35,10 +34,10 @@ from ..worker.padded_decode import PaddedDecode
 from ..worker.sampler import Sampler
 from ..worker.step_timing import StepTiming
 from . import extensions, intake, setup
-from .forks import advance_beams, fork_samples
 from .background import StepLoop
-from .frontend import GenerationFront
+from .frontend import GenerationFront, check_messages
 from .inspection import EngineInspection
+from .stepping import Stepping
 from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
 from .request import Request
@@ -46,7 +45,7 @@ from .request import Request
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineInspection, GenerationFront):
+class Engine(Stepping, EngineInspection, GenerationFront):
     """A paged KV-cache engine over an unmodified Hugging Face causal LM.
 
     `Engine(model, tokenizer, config=None, **options)`: options are `EngineConfig` fields and
@@ -99,7 +98,7 @@ class Engine(EngineInspection, GenerationFront):
             self.speculator.default = self.add_drafter(config.speculative)
         self._step_listeners: list[Callable[[], None]] = []
         self._shutdown_listeners: list[Callable[[], None]] = []
-        self._loop = StepLoop(self.step, self.scheduler.has_work, self._work)
+        self._loop = StepLoop(self.step, self.scheduler.has_work, self._work, self._loop_died)
         self._monitor_feed = None
 
     # -- construction -------------------------------------------------------------------------
@@ -165,6 +164,7 @@ class Engine(EngineInspection, GenerationFront):
                                      self.block_size, self.pool.num_blocks)
             params = beam.sampling_params
         intake.check_fits(ids, params, self.max_model_len, self.block_size, self.pool.num_blocks)
+        intake.check_stop_ids(params, self.vocab_size)
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
@@ -208,123 +208,6 @@ class Engine(EngineInspection, GenerationFront):
         self.counters.num_finished += 1
         self.outputs.finish(req, now)
 
-    def _fail(self, err: BaseException) -> None:
-        """A broken step fails every live request (each ends as "abort" with the error attached,
-        logged once with its id) and returns all their blocks."""
-        line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        now = time.perf_counter()
-        for req in list(self._requests.values()):
-            logger.error("request %s failed: %s", req.request_id, line)
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
-            req.error = err
-            self._finish_request(req, now)
-        err.reported_by_engine = True   # the loop that catches it need not log it again
-
-    # -- one iteration --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return outputs of requests that advanced."""
-        with self._lock:
-            t0 = time.perf_counter()
-            sched = self.scheduler.schedule()
-            if sched.is_empty:
-                if self.scheduler.has_work():
-                    raise RuntimeError("the scheduler could not run any request: the pool is too small")
-                return []
-            record = sched.record() if self.trace is not None else None
-            self.runner.clock.enabled = self.step_timings is not None
-            sampling, logits, drafts = self._forward(sched)
-            t_launched = time.perf_counter()
-            if self.step_timings is not None and self.runner.clock.cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-            now = time.perf_counter()
-            self.speculator.observe(sched, drafts, self.runner.last_forward_s)
-            verified = []
-            if drafts:   # takes the drafts back out of token_ids before anything is hashed
-                sampling, logits, verified = self.speculator.split(sampling, logits, drafts,
-                                                                   self.sampler.generator)
-            touched = self._commit_computed(sched, t0)
-            num_tokens = self._sample(sampling, logits, verified, now)
-            outputs = []
-            for req in touched.values():
-                if req.finished:
-                    self._finish_request(req, now)
-                else:
-                    self.outputs.publish(req)
-                outputs.append(self.outputs.output(req))
-            t1 = time.perf_counter()
-            self.counters.record_step(now, num_tokens, t1 - t0, self.runner.last_forward_s)
-            if record is not None:
-                self.trace.append(dataclasses.replace(record, duration_s=t1 - t0))
-            if self.step_timings is not None:
-                self._time_step(sched, t0, t_launched, now, t1)
-            for listener in self._step_listeners:
-                listener()
-            return outputs
-
-    def _forward(self, sched: SchedulerOutput):
-        """Drafts proposed, then the one forward; a failure fails every live request."""
-        drafts: dict = {}
-        try:
-            drafts = self.speculator.propose(sched)
-            sampling, logits = self.runner.execute(sched.chunks, sched.copies, sched.swap_out, sched.swap_in)
-        except BaseException as err:
-            self.speculator.discard(drafts)
-            self._fail(err)
-            raise
-        return sampling, logits, drafts
-
-    def _commit_computed(self, sched: SchedulerOutput, t0: float) -> dict[str, Request]:
-        """The step's chunks now have KV: advance each sequence, publish its full blocks."""
-        touched: dict[str, Request] = {}
-        for c in sched.chunks:
-            seq = c.seq
-            seq.num_computed_tokens = c.start + c.num_tokens
-            self.scheduler.cache_computed_blocks(seq)
-            req = self._requests[seq.request_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = t0
-            touched[req.request_id] = req
-        return touched
-
-    def _sample(self, sampling, logits: torch.Tensor, verified, now: float) -> int:
-        """Pick the step's tokens: plain rows through the sampler (a request with n > 1 forks its
-        samples at the first), verified drafts, then beams together; returns tokens appended."""
-        rows, seqs, beam_rows = [], [], []
-        for i, c in enumerate(sampling):
-            if self._requests[c.seq.request_id].beam is not None:
-                beam_rows.append((c.seq, i))
-                continue
-            for seq in fork_samples(self._requests[c.seq.request_id], c.seq, self.scheduler):
-                rows.append(i)
-                seqs.append(seq)
-        try:
-            tokens = self.sampler(logits[rows] if len(rows) != len(sampling) else logits, seqs)
-        except BaseException as err:
-            self._fail(err)
-            raise
-        for seq, token in zip(seqs, tokens):
-            self.outputs.append_token(self._requests[seq.request_id], seq, token, now)
-        num = len(tokens)
-        for seq, accepted in verified:
-            # The kept drafts' KV stays; rejected slots roll back, emptied blocks return at once.
-            num_computed = seq.num_tokens + len(accepted) - 1
-            self.speculator.roll_back(seq, num_computed)
-            num += self.outputs.append_accepted(self._requests[seq.request_id], seq, accepted, now)
-            if not seq.is_finished:
-                seq.num_computed_tokens = num_computed
-                self.scheduler.cache_computed_blocks(seq)
-        return num + (advance_beams(beam_rows, logits, self._requests, self.scheduler, now) if beam_rows else 0)
-
-    def _time_step(self, sched: SchedulerOutput, t0: float, launched: float, now: float, t1: float) -> None:
-        r = self.runner
-        started = launched - r.last_forward_s - r.last_prepare_s
-        self.step_timings.append(StepTiming(
-            len(sched.chunks), sched.num_tokens, sum(c.num_tokens == 1 for c in sched.chunks),
-            started - t0, r.last_prepare_s, r.last_forward_s, r.clock.device_seconds(),
-            now - launched, t1 - now, t1 - t0))
-
     # -- the front (generate / chat / stream come from GenerationFront) -----------------------------
     def beam_search(self, prompts, params: BeamSearchParams | None = None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -345,6 +228,7 @@ class Engine(EngineInspection, GenerationFront):
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        check_messages(messages)
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template: use generate() with plain text")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

@@ -31,6 +31,19 @@ def prompt_list(prompts: Any) -> list:
     return prompts
 
 
+def check_messages(messages) -> None:
+    """A conversation is a non-empty list of {"role": ..., "content": text} dicts."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("a chat is a non-empty list of {'role': ..., 'content': ...} messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"chat message {i} is {type(m).__name__}, not a {{'role', 'content'}} dict")
+        if m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"chat message {i} has role {m.get('role')!r}: use system, user, assistant or tool")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"chat message {i} has no text content (got {type(m.get('content')).__name__})")
+
+
 def param_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
@@ -54,7 +67,9 @@ class GenerationFront:
     def chat(self, messages, params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Chat-template one conversation (a list of {role, content}) or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            check_messages(messages)
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         return self.generate([self.apply_chat_template(c) for c in conversations], params, use_tqdm)
 
     def stream(self, prompt, params: SamplingParams | None = None,

@@ -25,6 +25,13 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> tuple[str | None, li
     return None, ids
 
 
+def check_stop_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Stop token ids the model can produce."""
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad} are not in the vocabulary (ids 0 .. {vocab_size - 1})")
+
+
 def check_fits(ids: list[int], params: SamplingParams, max_model_len: int, block_size: int,
                num_blocks: int) -> None:
     """The prompt fits the model's context and one request fits the whole pool."""

@@ -7,10 +7,18 @@ ends inside an incomplete UTF-8 character). The engine calls it under its lock.
 """
 from __future__ import annotations
 
+import logging
+
 from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
 from .request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class ListenerGone(RuntimeError):
+    """A listener refused a delta (its consumer is gone); it is dropped, the others still got it."""
 
 
 class OutputProcessor:
@@ -64,12 +72,22 @@ class OutputProcessor:
     def finish(self, req: Request, now: float) -> None:
         """Fix the final texts (and beam hypotheses) and tell the listeners."""
         req.metrics.finish_time = now
-        for seq in req.seqs:
-            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-                seq.text = self.decode(seq.output_token_ids)
-        if req.beam is not None:
-            req.beam.finalize(self.decode, req.seqs)
-        self.publish(req)
+        try:
+            for seq in req.seqs:
+                if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+                    seq.text = self.decode(seq.output_token_ids)
+            if req.beam is not None:
+                req.beam.finalize(self.decode, req.seqs)
+        except Exception as err:   # its text cannot be made: the request ends with that error
+            logger.error("request %s: detokenising its output failed: %s", req.request_id, err)
+            if req.error is None:
+                req.error = err
+                for seq in req.seqs:
+                    seq.finish_reason = "error"
+        try:
+            self.publish(req)
+        except ListenerGone:     # the request is over anyway: the other listeners got their delta
+            logger.warning("request %s: a listener was gone at its end", req.request_id, exc_info=True)
         req.done.set()
 
     def output(self, req: Request) -> RequestOutput:
@@ -108,5 +126,13 @@ class OutputProcessor:
         req.sent_tokens.extend(new_tokens)
         delta = StreamDelta(req.request_id, new_text, new_tokens, finished, seq.finish_reason,
                             self.output(req) if finished else None, req.error if finished else None)
-        for q in req.listeners:
-            q.put(delta)
+        gone = None
+        for q in list(req.listeners):
+            try:
+                q.put(delta)
+            except Exception as err:
+                logger.info("request %s: dropping a listener that failed (%s)", req.request_id, err)
+                req.listeners.remove(q)
+                gone = gone or err
+        if gone is not None:
+            raise ListenerGone(f"a listener of {req.request_id} failed: {type(gone).__name__}: {gone}") from gone

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import EngineConfig, parse_size
+from ..config import EngineConfig, format_bytes, parse_size
 from ..core.swap_space import SwapSpace
+from ..worker.host_memory import available_bytes as host_available_bytes
 from ..worker.kv_cache import KVCache, KVSpec
 
 
@@ -17,15 +18,28 @@ def default_kv_bytes(device: torch.device) -> int:
     return int(free * 0.9) - (1 << 30)
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for the KV cache now: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return host_available_bytes()
+
+
 def num_blocks(config: EngineConfig, spec: KVSpec, device: torch.device) -> int:
-    """`num_blocks`, or as many blocks as the KV memory (given or default) holds."""
+    """`num_blocks`, or as many blocks as the KV memory (given or default) holds; a cache larger
+    than the memory available is refused here, before the allocation meets the OOM killer."""
     n = config.num_blocks
+    block_bytes = spec.bytes_per_token * config.block_size
     if n is None:
         budget = parse_size(config.kv_cache_memory) if config.kv_cache_memory is not None \
             else default_kv_bytes(device)
-        n = budget // (spec.bytes_per_token * config.block_size)
+        n = budget // block_bytes
     if n < 1:
         raise ValueError("the KV cache holds no block: give more kv_cache_memory or num_blocks")
+    free = available_bytes(device)
+    if free is not None and n * block_bytes > free:
+        raise ValueError(f"a KV cache of {format_bytes(n * block_bytes)} does not fit: {device.type} has "
+                         f"{format_bytes(free)} available; give a smaller kv_cache_memory or num_blocks")
     return n
 
 

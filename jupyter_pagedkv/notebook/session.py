@@ -14,24 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
+from ..worker.host_memory import rss_bytes
+
 if TYPE_CHECKING:
     from ..engine.outputs import RequestOutput
     from ..protocol import EngineClient
     from .streaming import BackgroundJob
 
 NO_ENGINE = "no model loaded: run `%pagedkv load` (the embedded SmolLM2-135M-Instruct) or `%pagedkv load MODEL`"
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def release_freed_memory() -> None:

@@ -9,7 +9,7 @@ daemon thread; aborting shuts the socket down, which is also what the server tak
 
 Errors are one line each (`RemoteError`): unreachable, timed out, auth refused, unknown model,
 and a stream that ends without its finish reason ("dropped") — the request then finishes as
-"abort" with the error attached, so a cell never waits on a dead connection.
+"error" with the error attached, so a cell never waits on a dead connection.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from ..core.stats import Throughput
-from ..engine.frontend import GenerationFront
+from ..engine.frontend import GenerationFront, check_messages
 from .errors import RemoteError
 from .inspection import RemoteInspection
 from ..engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
@@ -192,6 +192,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
     # -- requests -----------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict]) -> ChatPrompt:
         """The conversation itself: the server templates it (with the model's own template)."""
+        check_messages(messages)
         return ChatPrompt(tuple(dict(m) for m in messages))
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -350,10 +351,11 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             if not req.metrics.num_generated_tokens:
                 req.metrics.num_generated_tokens = len(req.tokens.get(0, []))
             if req.aborted or req.error is not None:
+                # Cancelled by the caller: "abort"; failed (network, server): "error".
+                reason = "abort" if req.aborted else "error"
                 for i in range(req.params.n):
-                    req.finish.setdefault(i, "abort")
-                    if req.finish[i] is None:
-                        req.finish[i] = "abort"
+                    if req.finish.get(i) is None:
+                        req.finish[i] = reason
             self._requests.pop(req.request_id, None)
             self.finished_requests.append(req)
             req.done.set()

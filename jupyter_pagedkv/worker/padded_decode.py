@@ -95,7 +95,7 @@ class PaddedDecode:
     def fill(self, chunks: list[ScheduledChunk], size: int) -> StaticBatch:
         """Copy this step's decode rows into the bucket's buffers; padding rows point at scratch."""
         batch = self._batch(size)
-        n, bs, pad = len(chunks), self.kv_cache.block_size, size - len(chunks)
+        bs, pad = self.kv_cache.block_size, size - len(chunks)
         scratch = self.kv_cache.scratch_block
         ids, positions, slots, lens = [], [], [], []
         widest = max((-(-(c.start + 1) // bs) for c in chunks), default=1)

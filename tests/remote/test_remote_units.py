@@ -80,6 +80,9 @@ class FakeServer(BaseHTTPRequestHandler):
             self._json(404, {"error": {"message": f"The model `{req['model']}` does not exist."}})
             return
         prompt = req.get("prompt")
+        if prompt == "fail500":
+            self._json(500, {"error": {"message": "CUDA error: an illegal memory access was encountered"}})
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -95,6 +98,13 @@ class FakeServer(BaseHTTPRequestHandler):
         send({"choices": [{"index": 0, "text": " world", "token_ids": [2]}]})
         if prompt == "drop":
             return   # connection closes without a finish reason or [DONE]
+        if prompt == "garbled":
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"\n\n')   # cut-off JSON
+            self.wfile.flush()
+            return
+        if prompt == "error-event":
+            send({"error": {"message": "engine dead: EngineCore encountered an issue"}})
+            return
         send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
         send({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
                                        "prompt_tokens_details": {"cached_tokens": 2}}})
@@ -151,8 +161,25 @@ def test_dropped_and_stalled_streams_end_the_request(fake):
         client.generate("hang")
     assert time.monotonic() - t0 < 10
     failed = list(client.finished_requests)
-    assert [r.finish[0] for r in failed] == ["abort", "abort"]
+    assert [r.finish[0] for r in failed] == ["error", "error"]
     assert failed[0].texts[0] == "Hello world"
+    assert not client.live_requests()
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("fail500", r"answered HTTP 500: CUDA error: an illegal memory access was encountered"),
+    ("garbled", r"the stream from .* dropped \(JSONDecodeError: .*\); the output so far is kept"),
+    ("error-event", r"failed the request: engine dead: EngineCore encountered an issue"),
+])
+def test_a_server_failing_mid_stream_is_one_line_and_the_client_keeps_serving(fake, prompt, message):
+    _, url = fake
+    client = Engine.connect(url, timeout=5.0)
+    with pytest.raises(RemoteError, match=message) as info:
+        client.generate(prompt)
+    assert "\n" not in str(info.value)
+    failed = client.finished_requests[-1]
+    assert failed.finish[0] == "error" and failed.error is info.value
+    assert client.generate("ok")[0].text == "Hello world"
     assert not client.live_requests()
 
 

@@ -220,6 +220,33 @@ def watch(page, selector: str, until, timeout: float, every: float = 0.15) -> li
     pytest.fail(f"the canvas {selector} never showed the expected state; last readings: {seen[-3:]}")
 
 
+WIDGET_ROOT = ".jp-OutputArea .pkv-root"
+PANEL_ROOT = "#jupyter-pagedkv-panel .pkv-root"
+
+
+def peaks(page, root: str) -> dict[str, int]:
+    """The highest used / shared / running counts a view has drawn (its data-peak-* attributes)."""
+    data = page.evaluate("sel => ({...document.querySelector(sel).dataset})", root)
+    return {k: int(data.get(k, 0)) for k in ("peakUsed", "peakShared", "peakRunning")}
+
+
+def wait_for_peak(page, root: str, key: str, timeout: float = 120) -> dict[str, int]:
+    """Wait until the view has drawn a frame with `key` > 0 (it keeps the peak, so a run that is
+    over before we look still counts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = peaks(page, root)
+        if seen[key] > 0:
+            return seen
+        time.sleep(0.2)
+    pytest.fail(f"{root} never drew a frame with {key} > 0: {peaks(page, root)}")
+
+
+def reset_peaks(page, root: str) -> None:
+    page.evaluate("sel => { const d = document.querySelector(sel).dataset;"
+                  " delete d.peakUsed; delete d.peakShared; delete d.peakRunning; }", root)
+
+
 def test_the_widget_shows_blocks_in_use_during_a_run_and_freed_after(page):
     run_cell(page, 0, timeout=float(os.environ.get("PAGEDKV_FIRST_CELL_TIMEOUT", 180)))
     run_cell(page, 1, timeout=240)
@@ -228,11 +255,12 @@ def test_the_widget_shows_blocks_in_use_during_a_run_and_freed_after(page):
     page.wait_for_selector(WIDGET_CANVAS)
     before = watch(page, WIDGET_CANVAS, lambda c: c["free"] > 0, timeout=30)[-1]
     assert before["used"] == 0 and before["shared"] == 0, before
+    reset_peaks(page, WIDGET_ROOT)
     run_cell(page, 3, wait=False)
-    during = watch(page, WIDGET_CANVAS, lambda c: c["used"] > 0, timeout=120)[-1]
+    during = wait_for_peak(page, WIDGET_ROOT, "peakUsed")
     page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "widget-during-run.png"))
     page.screenshot(path=str(ARTIFACTS / "notebook-during-run.png"))
-    assert during["used"] > 0
+    assert during["peakRunning"] > 0
     wait_done(page, 3)
     after = watch(page, WIDGET_CANVAS, lambda c: c["used"] == 0 and c["shared"] == 0, timeout=30)[-1]
     assert after["cached"] > 0 and after["free"] > 0, after     # finished blocks keep their prefix
@@ -244,9 +272,9 @@ def test_the_widget_shows_blocks_in_use_during_a_run_and_freed_after(page):
 
 
 def test_parallel_samples_show_their_shared_prompt_blocks(page):
+    reset_peaks(page, WIDGET_ROOT)
     run_cell(page, 4, wait=False)
-    seen = watch(page, WIDGET_CANVAS, lambda c: c["shared"] > 0, timeout=120)
-    assert seen[-1]["shared"] > 0
+    assert wait_for_peak(page, WIDGET_ROOT, "peakShared")["peakShared"] > 0
     page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "widget-shared.png"))
     wait_done(page, 4)
     watch(page, WIDGET_CANVAS, lambda c: c["shared"] == 0 and c["used"] == 0, timeout=30)
@@ -262,11 +290,17 @@ def test_side_panel_draws_the_pool_and_the_status_bar_reads_usage(page):
     assert "idle" not in status.lower()
     title = page.locator("#jupyter-pagedkv-panel .pkv-title").inner_text()
     assert "SmolLM2-135M-Instruct" in title, title
+    # Every text the status bar shows from now on, recorded in the page as it changes.
+    page.evaluate("() => { window.pkvStatusTexts = []; const el = document.querySelector('.pkv-status');"
+                  " new MutationObserver(() => window.pkvStatusTexts.push(el.textContent))"
+                  ".observe(el, {childList: true, characterData: true, subtree: true}); }")
+    reset_peaks(page, PANEL_ROOT)
     run_cell(page, 3, wait=False)        # the same prompts again: the panel follows the run too
-    watch(page, PANEL_CANVAS, lambda c: c["used"] > 0, timeout=120)
-    busy = page.locator(".pkv-status").inner_text().strip()
+    assert wait_for_peak(page, PANEL_ROOT, "peakUsed")["peakRunning"] > 0
     page.screenshot(path=str(ARTIFACTS / "side-panel-during-run.png"))
-    assert re.fullmatch(r"KV \d+(\.\d)?% · [1-9]\d* running( · \d+ waiting)?", busy), busy
     wait_done(page, 3)
+    texts = page.evaluate("() => window.pkvStatusTexts")
+    busy = next((t.strip() for t in texts if re.search(r"· [1-9]\d* running", t)), None)
+    assert busy and re.fullmatch(r"KV \d+(\.\d)?% · [1-9]\d* running( · \d+ waiting)?", busy), texts
     watch(page, PANEL_CANVAS, lambda c: c["used"] == 0, timeout=30)
     (ARTIFACTS / "status.json").write_text(json.dumps({"idle_text": status, "busy_text": busy}))

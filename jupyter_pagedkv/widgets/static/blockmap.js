@@ -39,6 +39,7 @@ function bytesOf(x) {
 }
 
 function u32Of(x) {
+  if (Array.isArray(x)) return Uint32Array.from(x); // block ids themselves, not their bytes
   const b = bytesOf(x).slice(); // a fresh, aligned copy
   return new Uint32Array(b.buffer, 0, b.byteLength >> 2);
 }
@@ -55,7 +56,10 @@ export function createStore() {
 export function applyFrame(store, frame) {
   if (!frame || typeof frame !== "object") return "skip";
   if (frame.closed) {
+    // The feed is gone; the next one (a reloaded engine, another kernel) numbers its frames
+    // from 0 again, so its first full frame must not look stale.
     store.closed = true;
+    store.seq = -1;
     return "ok";
   }
   if (typeof frame.seq !== "number") return "skip";
@@ -99,8 +103,10 @@ export function applyFrame(store, frame) {
 export function layout(numBlocks, width, maxHeight) {
   const n = Math.max(1, numBlocks);
   let cell = Math.min(14, Math.floor(Math.sqrt((width * maxHeight) / n)));
+  // Whole columns waste width, so the first guess can overflow the height: shrink until it fits.
+  while (cell > 3 && Math.ceil(n / Math.floor(width / cell)) * cell > maxHeight) cell--;
   let group = 1;
-  if (cell < 3) {
+  if (cell < 3 || Math.ceil(n / Math.floor(width / cell)) * cell > maxHeight) {
     cell = 3;
     const capacity = Math.floor(width / cell) * Math.floor(maxHeight / cell);
     group = Math.ceil(n / Math.max(1, capacity));
@@ -328,6 +334,12 @@ export function mount(el, opts = {}) {
       `<span>${scale} · ${store.numBlocks.toLocaleString()} blocks × ${store.blockSize} tokens</span>`;
     drawSparkline(spark, store.history);
     root.dataset.seq = String(store.seq);
+    // The highest gauges this view has drawn (data-peak-used, ...): what a run looked like at its
+    // busiest, readable after it ended however fast it was (the browser tests read them).
+    for (const [key, value] of [["peakUsed", g.num_used], ["peakShared", g.num_shared],
+      ["peakRunning", g.num_running]]) {
+      if (value > Number(root.dataset[key] || 0)) root.dataset[key] = String(value);
+    }
   }
 
   function schedule() {

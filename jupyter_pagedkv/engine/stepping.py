@@ -1,0 +1,202 @@
+"""Stepping: one engine iteration (schedule, forward, verify drafts, sample, publish) and what
+happens when part of it fails. Mixed into `Engine`, whose lock, scheduler, runner, speculator,
+sampler and output processor it drives.
+
+Failures end only the requests they touch: a forward that raises ends the step's requests (their
+KV is incomplete) and re-raises; a sampler, drafter, detokeniser or listener that raises ends the
+requests concerned while the step goes on for the others; the background loop dying ends every
+live request (nobody would step them). Each ends with finish reason "error" ("abort" for
+Ctrl-C), the exception attached and logged once with its id, and returns every block.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from ..core.scheduler import SchedulerOutput
+from ..core.sequence import Sequence
+from ..worker.step_timing import StepTiming
+from .forks import advance_beams, fork_samples
+from .outputs import RequestOutput
+from .request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class Stepping:
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs of requests that advanced.
+
+        A failure ends only the requests it touched (finish reason "error", or "abort" for Ctrl-C,
+        the exception attached and logged once with the request id) and returns their blocks: a
+        forward that raises (out of memory, Ctrl-C) ends the step's requests and re-raises; a
+        sampler, drafter, detokeniser or listener that raises ends the requests concerned and the
+        step goes on for the others."""
+        with self._lock:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.scheduler.has_work():
+                    raise RuntimeError("the scheduler could not run any request: the pool is too small")
+                return []
+            try:
+                return self._step(sched, t0)
+            except BaseException as err:
+                self._fail(self._touched_by(sched), err)
+                raise
+
+    def _step(self, sched: SchedulerOutput, t0: float) -> list[RequestOutput]:
+        record = sched.record() if self.trace is not None else None
+        self.runner.clock.enabled = self.step_timings is not None
+        drafts = self.speculator.propose(sched)
+        try:
+            sampling, logits = self.runner.execute(sched.chunks, sched.copies, sched.swap_out, sched.swap_in)
+        except BaseException:
+            self.speculator.discard(drafts)
+            raise
+        t_launched = time.perf_counter()
+        if self.step_timings is not None and self.runner.clock.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        now = time.perf_counter()
+        self.speculator.observe(sched, drafts, self.runner.last_forward_s)
+        verified = []
+        if drafts:   # takes the drafts back out of token_ids before anything is hashed
+            sampling, logits, verified = self.speculator.split(sampling, logits, drafts, self.sampler.generator)
+        touched = self._commit_computed(sched, t0)
+        for seq, err in self.speculator.take_failures():      # their plain decode ran: KV is sound
+            self._fail([self._requests.get(seq.request_id)], err)
+        num_tokens = self._sample(sampling, logits, verified, now)
+        outputs = []
+        for req in touched.values():
+            if req.request_id in self._requests:              # not failed or finished above
+                if req.finished:
+                    self._finish_request(req, now)
+                else:
+                    self._guard(req, self.outputs.publish, req)
+            outputs.append(self._output_of(req))
+        t1 = time.perf_counter()
+        self.counters.record_step(now, num_tokens, t1 - t0, self.runner.last_forward_s)
+        if record is not None:
+            self.trace.append(dataclasses.replace(record, duration_s=t1 - t0))
+        if self.step_timings is not None:
+            self._time_step(sched, t0, t_launched, now, t1)
+        for listener in self._step_listeners:
+            listener()
+        return outputs
+
+    def _touched_by(self, sched: SchedulerOutput) -> list[Request]:
+        """The live requests a step touched: its chunks, and sequences it swapped out or in (an
+        interrupted copy leaves their KV incomplete)."""
+        seqs = [c.seq for c in sched.chunks] + list(sched.preempted) + list(sched.resumed)
+        ids = dict.fromkeys(s.request_id for s in seqs)
+        return [self._requests[rid] for rid in ids if rid in self._requests]
+
+    def _output_of(self, req: Request) -> RequestOutput:
+        """The request's output so far; if its text cannot be decoded, it fails (and says so)."""
+        try:
+            return self.outputs.output(req)
+        except Exception as err:
+            self._fail([req], err)
+            return self.outputs.output(req)
+
+    def _guard(self, req: Request, fn: Callable, *args) -> None:
+        """Run one request's piece of the step; if it raises, that request alone fails."""
+        try:
+            fn(*args)
+        except Exception as err:
+            self._fail([req], err)
+
+    def _commit_computed(self, sched: SchedulerOutput, t0: float) -> dict[str, Request]:
+        """The step's chunks now have KV: advance each sequence, publish its full blocks."""
+        touched: dict[str, Request] = {}
+        for c in sched.chunks:
+            seq = c.seq
+            seq.num_computed_tokens = c.start + c.num_tokens
+            self.scheduler.cache_computed_blocks(seq)
+            req = self._requests[seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = t0
+            touched[req.request_id] = req
+        return touched
+
+    def _sample(self, sampling, logits: torch.Tensor, verified, now: float) -> int:
+        """Pick the step's tokens: plain rows through the sampler (a request with n > 1 forks its
+        samples at the first), verified drafts, then beams together; returns tokens appended."""
+        rows, seqs, beam_rows = [], [], []
+        for i, c in enumerate(sampling):
+            req = self._requests.get(c.seq.request_id)
+            if req is None:
+                continue                                       # failed earlier in this step
+            if req.beam is not None:
+                beam_rows.append((c.seq, i))
+                continue
+            for seq in fork_samples(req, c.seq, self.scheduler):
+                rows.append(i)
+                seqs.append(seq)
+        try:
+            tokens = self.sampler(logits[rows] if len(rows) != logits.shape[0] else logits, seqs) if seqs else []
+        except Exception as err:                               # those rows' requests fail, no others
+            self._fail(list({s.request_id: self._requests[s.request_id] for s in seqs}.values()), err)
+            seqs, tokens = [], []
+        for seq, token in zip(seqs, tokens):
+            req = self._requests.get(seq.request_id)
+            if req is not None:
+                self._guard(req, self.outputs.append_token, req, seq, token, now)
+        num = len(tokens)
+        for seq, accepted in verified:
+            req = self._requests.get(seq.request_id)
+            if req is not None:
+                num += self._keep_verified(req, seq, accepted, now)
+        return num + (advance_beams(beam_rows, logits, self._requests, self.scheduler, now) if beam_rows else 0)
+
+    def _keep_verified(self, req: Request, seq: Sequence, accepted: list[int], now: float) -> int:
+        """The kept drafts' KV stays; rejected slots roll back, emptied blocks return at once."""
+        num_computed = seq.num_tokens + len(accepted) - 1
+        self.speculator.roll_back(seq, num_computed)
+        try:
+            kept = self.outputs.append_accepted(req, seq, accepted, now)
+        except Exception as err:
+            self._fail([req], err)
+            return 0
+        if not seq.is_finished:
+            seq.num_computed_tokens = num_computed
+            self.scheduler.cache_computed_blocks(seq)
+        return kept
+
+    def _time_step(self, sched: SchedulerOutput, t0: float, launched: float, now: float, t1: float) -> None:
+        r = self.runner
+        started = launched - r.last_forward_s - r.last_prepare_s
+        self.step_timings.append(StepTiming(
+            len(sched.chunks), sched.num_tokens, sum(c.num_tokens == 1 for c in sched.chunks),
+            started - t0, r.last_prepare_s, r.last_forward_s, r.clock.device_seconds(),
+            now - launched, t1 - now, t1 - t0))
+
+    # -- failures ---------------------------------------------------------------------------------
+    def _fail(self, reqs: list[Request | None], err: BaseException) -> None:
+        """End these requests because of `err`: finish reason "error" ("abort" for Ctrl-C), the
+        exception attached, logged once with the request id; every block they held returns."""
+        reason = "abort" if isinstance(err, KeyboardInterrupt) else "error"
+        line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        now = time.perf_counter()
+        for req in reqs:
+            if req is None or req.request_id not in self._requests:
+                continue
+            logger.error("request %s failed: %s", req.request_id, line)
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, reason)
+            req.error = err
+            self._finish_request(req, now)
+        try:
+            err.reported_by_engine = True   # whoever catches it need not log it again
+        except AttributeError:
+            pass
+
+    def _loop_died(self, err: BaseException) -> None:
+        """The background loop is gone: nobody steps the live requests, so they end now."""
+        with self._lock:
+            self._fail(list(self._requests.values()), err)
