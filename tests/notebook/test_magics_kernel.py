@@ -18,7 +18,7 @@ from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FOOTER = re.compile(r"\[(\d+) tokens generated · (\d+)/(\d+) prompt tokens cached · TTFT \d+ ms")
 
 
@@ -103,14 +103,32 @@ def test_background_result_arrives_while_later_cells_run(kernel):
     assert text_of(check).split() == ["length", "8", "True"], text_of(check)
 
 
-def test_interrupt_aborts_the_cell_and_leaves_no_block_referenced(kernel):
-    timer = threading.Timer(4.0, kernel.km.interrupt_kernel)
-    timer.start()
-    t0 = time.monotonic()
+def test_interrupt_aborts_the_cell_and_leaves_no_block_referenced(kernel, tmp_path):
+    # The kernel says when the request has produced two tokens (a file appears); only then does
+    # the test interrupt it, from outside as the front end does: no timing guess on any machine.
+    flag = tmp_path / "generating"
+    setup = kernel.execute(
+        "import pathlib, threading, time\n"
+        "from jupyter_pagedkv.notebook.session import current\n"
+        "def _watch(engine=current().engine):\n"
+        "    while True:\n"
+        "        rows = [r for r in engine.request_rows() if not r.finished]\n"
+        "        if rows and rows[0].output_tokens >= 2:\n"
+        f"            pathlib.Path({str(flag)!r}).touch()\n"
+        "            return\n"
+        "        time.sleep(0.02)\n"
+        "threading.Thread(target=_watch, daemon=True).start()")
+    assert not errors(setup), errors(setup)
+
+    def interrupt_once_generating() -> None:
+        deadline = time.monotonic() + 300
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        kernel.km.interrupt_kernel()
+
+    threading.Thread(target=interrupt_once_generating, daemon=True).start()
     cell = kernel.execute("%%generate --max-tokens 400\nWrite a long story about a lighthouse keeper.")
-    elapsed = time.monotonic() - t0
-    timer.cancel()
-    assert elapsed < 25, f"the cell ran {elapsed:.0f} s: the interrupt did not stop it"
+    assert flag.exists()
     assert any(e.startswith("KeyboardInterrupt") for e in errors(cell)), cell.outputs
     assert "interrupted: aborted 1 request of this cell and freed its blocks" in text_of(cell)
     shown = next(o for o in cell.outputs if o.output_type == "display_data").data["text/plain"]

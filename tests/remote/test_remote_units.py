@@ -183,6 +183,20 @@ def test_a_server_failing_mid_stream_is_one_line_and_the_client_keeps_serving(fa
     assert not client.live_requests()
 
 
+def test_bad_prompts_and_messages_are_refused_before_anything_is_sent(fake):
+    _, url = fake
+    client = Engine.connect(url)
+    for bad, message in [(lambda: client.add_request([5, -1]), "non-negative integers"),
+                         (lambda: client.add_request([]), "non-empty list"),
+                         (lambda: client.generate(["ok", "   "]), "empty prompt"),
+                         (lambda: client.chat([{"role": "user"}]), "no text content"),
+                         (lambda: client.chat([{"role": "robot", "content": "hi"}]), "role 'robot'"),
+                         (lambda: client.add_request("ok", SamplingParams(stop_token_ids=[-3])), "stop_token_ids")]:
+        with pytest.raises(ValueError, match=message):
+            bad()
+    assert not client.live_requests()
+
+
 def test_abort_closes_the_stream(fake):
     _, url = fake
     client = Engine.connect(url, timeout=10.0)
