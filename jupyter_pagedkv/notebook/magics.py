@@ -16,6 +16,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..config import EngineConfig, changed_flags, format_bytes, from_arguments
 from .session import NO_ENGINE, KernelSession, current
+from .markdown import MarkdownRenderer, markdown_bundle
 from .options import (SESSION_NAME, beam_params, interpolate, load_arguments, parse_connect, parse_line,
                       sampling_arguments, split_prompts, unescape)
 from .text_views import block_map, requests_table
@@ -256,9 +257,9 @@ class PagedKVMagics(Magics):
         labels = [f"[{i + 1}] {_short(t)}" for i, t in enumerate(texts)]
         run = CellRun(engine, labels)
         if args.background:
-            self._start_background(run, prompts, params, args.out, args.no_stream)
+            self._start_background(run, prompts, params, args.out, args.no_stream, args.format)
             return
-        outputs = self._run_cell(run, prompts, params, "generate", args.no_stream)
+        outputs = self._run_cell(run, prompts, params, "generate", args.no_stream, args.format)
         if args.out:
             self.shell.user_ns[args.out] = outputs[0] if len(outputs) == 1 else outputs
 
@@ -299,7 +300,7 @@ class PagedKVMagics(Magics):
         message = interpolate(message, self.shell.user_ns)
         prompt = chat.prompt_ids(engine, message)
         run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"])
-        outputs = self._run_cell(run, [prompt], params, f"chat {name}", args.no_stream)
+        outputs = self._run_cell(run, [prompt], params, f"chat {name}", args.no_stream, args.format)
         chat.record(message, outputs[0])
         if args.out:
             self.shell.user_ns[args.out] = outputs[0]
@@ -318,9 +319,18 @@ class PagedKVMagics(Magics):
             raise UsageError(str(err).replace("max_tokens", "--max-tokens").replace("top_p", "--top-p")
                              .replace("top_k", "--top-k")) from None
 
-    def _renderer(self) -> Renderer:
-        in_kernel = getattr(self.shell, "kernel", None) is not None
-        return DisplayRenderer() if in_kernel else PrintRenderer()
+    def _in_kernel(self) -> bool:
+        return getattr(self.shell, "kernel", None) is not None
+
+    def _markdown(self, fmt: str | None) -> bool:
+        """Markdown where a front end renders it: a kernel, unless --format text. A terminal
+        IPython cannot render Markdown, so there it is always text."""
+        return self._in_kernel() and fmt != "text"
+
+    def _renderer(self, fmt: str | None) -> Renderer:
+        if self._markdown(fmt):
+            return MarkdownRenderer()
+        return DisplayRenderer() if self._in_kernel() else PrintRenderer()
 
     def _submit(self, run: CellRun, prompts: Sequence, params, origin: str) -> None:
         engine = run.engine
@@ -333,9 +343,10 @@ class PagedKVMagics(Magics):
         for rid in run.request_ids:
             self.session.origins[rid] = origin
 
-    def _run_cell(self, run: CellRun, prompts: Sequence, params, origin: str, no_stream: bool):
+    def _run_cell(self, run: CellRun, prompts: Sequence, params, origin: str, no_stream: bool,
+                  fmt: str | None = None):
         """Stream the cell's requests to its output; Ctrl-C aborts them and frees their blocks."""
-        renderer = self._renderer()
+        renderer = self._renderer(fmt)
         if no_stream:
             renderer = FinalOnly(renderer)
         try:
@@ -358,7 +369,7 @@ class PagedKVMagics(Magics):
                 raise panel.error
 
     def _start_background(self, run: CellRun, prompts: Sequence, params, out_var: str | None,
-                          no_stream: bool) -> None:
+                          no_stream: bool, fmt: str | None = None) -> None:
         self._submit(run, prompts, params, "background")
         title = "background " + ", ".join(run.request_ids)
         ns = self.shell.user_ns
@@ -374,7 +385,7 @@ class PagedKVMagics(Magics):
         if widget is not None:
             from IPython.display import display
             display(widget)
-            renderer = WidgetRenderer(widget)
+            renderer = WidgetRenderer(widget, markdown_bundle if self._markdown(fmt) else None)
             renderer.update(run.panels, final=False)
         elif in_kernel:   # no ipywidgets: a display handle made here, updated by the watcher
             renderer = DisplayRenderer()

@@ -104,6 +104,9 @@ def sampling_arguments(f: Callable) -> Callable:
         argument("--out", default=None, metavar="VAR",
                  help="store the RequestOutput (a list for several prompts) in variable VAR"),
         argument("--no-stream", action="store_true", help="show the text only when it is complete"),
+        argument("--format", default=None, choices=("markdown", "text"),
+                 help="how answers are shown: markdown (the default in a notebook: lists, tables, "
+                      "highlighted code) or text (the default in a terminal, where Markdown cannot render)"),
     ]):
         f = arg(f)
     return f

@@ -52,7 +52,37 @@ def footer(out: RequestOutput) -> str:
 
 
 class Renderer(Protocol):
+    """Shows a cell's panels. `min_interval` (optional, seconds) is how often it may be asked to
+    re-render while streaming; CellRun.wait enforces it, so no renderer throttles on its own."""
+
     def update(self, panels: Sequence[Panel], final: bool) -> None: ...
+
+
+@dataclass
+class Throttle:
+    """At most one render every `interval` seconds, and never a stale last render: text that
+    arrived since the last render is still shown once the interval has passed, even when no more
+    text follows (a stream that pauses mid-answer, e.g. while a server is busy)."""
+
+    interval: float
+    clock: Callable[[], float] = time.monotonic
+    last: float = float("-inf")
+    dirty: bool = False
+
+    def changed(self) -> None:
+        self.dirty = True
+
+    def due(self) -> bool:
+        return self.dirty and self.clock() - self.last >= self.interval
+
+    def rendered(self) -> None:
+        self.last, self.dirty = self.clock(), False
+
+    def timeout(self) -> float:
+        """How long to wait for more input before the pending text is due (the interval if none)."""
+        if not self.dirty:
+            return self.interval
+        return min(self.interval, max(0.001, self.last + self.interval - self.clock()))
 
 
 class CellRun:
@@ -80,18 +110,21 @@ class CellRun:
         return self.request_ids
 
     def wait(self, render: Renderer, interval: float = 0.1) -> list[RequestOutput]:
-        """Fold deltas into panels until every request finished; render at most every `interval` s."""
-        last = 0.0
+        """Fold deltas into panels until every request finished. Renders at most every
+        `interval` s (or the renderer's own `min_interval`), at once when a request finishes, and
+        always the latest text once it is due, whether or not more arrives (Throttle)."""
+        throttle = Throttle(getattr(render, "min_interval", interval))
         while not all(p.finished for p in self.panels):
             try:
-                delta = self.queue.get(timeout=interval)
+                delta = self.queue.get(timeout=throttle.timeout())
             except queue.Empty:
-                continue
-            self._fold(delta)
-            now = time.monotonic()
-            if now - last >= interval or delta.finished:
+                delta = None
+            if delta is not None:
+                self._fold(delta)
+                throttle.changed()
+            if throttle.due() or (delta is not None and delta.finished):
                 render.update(self.panels, final=False)
-                last = now
+                throttle.rendered()
         render.update(self.panels, final=True)
         return [p.output for p in self.panels]
 
@@ -195,13 +228,15 @@ class PrintRenderer:
 
 class WidgetRenderer:
     """Background jobs in a notebook: an ipywidgets Output area the engine fills when it can,
-    whichever cell runs at the time (widget state syncs over its comm, not the cell's output)."""
+    whichever cell runs at the time (widget state syncs over its comm, not the cell's output).
+    `make_bundle` gives the output's data (HTML columns by default; Markdown in markdown format)."""
 
-    def __init__(self, widget) -> None:
+    def __init__(self, widget, make_bundle: Callable[[Sequence[Panel]], dict[str, str]] | None = None) -> None:
         self.widget = widget
+        self.make_bundle = make_bundle or bundle
 
     def update(self, panels: Sequence[Panel], final: bool) -> None:
-        self.widget.outputs = ({"output_type": "display_data", "data": bundle(panels), "metadata": {}},)
+        self.widget.outputs = ({"output_type": "display_data", "data": self.make_bundle(panels), "metadata": {}},)
 
 
 class DonePrinter:

@@ -70,7 +70,7 @@ def test_load_prints_one_summary_line(kernel):
 
 
 def test_generate_streams_two_prompts_side_by_side_in_one_display(kernel):
-    cell = kernel.execute("%%generate --max-tokens 8\nName a fruit.\n---\nName an animal.")
+    cell = kernel.execute("%%generate --max-tokens 8 --format text\nName a fruit.\n---\nName an animal.")
     assert not errors(cell), errors(cell)
     displays = [o for o in cell.outputs if o.output_type == "display_data"]
     assert len(displays) == 1            # updated in place, not appended per token
@@ -78,6 +78,31 @@ def test_generate_streams_two_prompts_side_by_side_in_one_display(kernel):
     assert "── [1] Name a fruit. ──" in plain and "── [2] Name an animal. ──" in plain
     assert len(FOOTER.findall(plain)) == 2
     assert "display:flex" in page and "Name an animal." in page
+
+
+def test_markdown_answer_is_one_markdown_display_with_its_footer(kernel):
+    cell = kernel.execute("%%generate --max-tokens 8\nName a fruit.")
+    assert not errors(cell), errors(cell)
+    displays = [o for o in cell.outputs if o.output_type == "display_data"]
+    assert len(displays) == 1
+    md = displays[0].data["text/markdown"]
+    assert len(FOOTER.findall(md.replace("\\", ""))) == 1 and md.rstrip().endswith("*")  # footer in italics
+    assert len(FOOTER.findall(displays[0].data["text/plain"])) == 1
+
+
+def test_markdown_answers_to_two_prompts_stand_in_two_columns(kernel):
+    cell = kernel.execute("%%generate --max-tokens 8\nName a fruit.\n---\nName an animal.")
+    assert not errors(cell), errors(cell)
+    displays = [o for o in cell.outputs if o.output_type == "display_data"]
+    assert len(displays) == 1
+    view = displays[0].data["application/vnd.jupyter.widget-view+json"]
+    state = kernel.client.widget_state
+    box = state[view["model_id"]]
+    assert box["_model_name"] == "HBoxModel"
+    columns = [state[ref.removeprefix("IPY_MODEL_")] for ref in box["children"]]
+    shown = [c["outputs"][0]["data"]["text/markdown"] for c in columns]
+    assert r"**\[1\] Name a fruit.**" in shown[0] and r"**\[2\] Name an animal.**" in shown[1]
+    assert all(len(FOOTER.findall(md.replace("\\", ""))) == 1 for md in shown)
 
 
 def test_second_chat_turn_reports_the_first_turns_blocks_as_cached(kernel):
