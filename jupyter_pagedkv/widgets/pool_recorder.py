@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .pool_figure import pool_figure, state_colours
+from .pool_figure import cue_colours, pool_figure, state_colours
 
 if TYPE_CHECKING:
     from ..core.stats import EngineStats
@@ -76,8 +76,13 @@ class PoolRecorder:
         private = [p.used - p.shared for p in self.timeline]
         shared = [p.shared for p in self.timeline]
         cached = [p.cached for p in self.timeline]
-        a.stackplot(t, private, shared, cached, colors=[colours["used"], colours["shared"], colours["cached"]],
-                    labels=["used (1 owner)", "shared (2+ owners)", "cached (reusable)"])
+        areas = a.stackplot(t, private, shared, cached,
+                            colors=[colours["used"], colours["shared"], colours["cached"]],
+                            labels=["used (1 owner)", "shared (2+ owners)", "cached (reusable)"])
+        # Shared is also hatched in the mark's colour: told apart from used without hue.
+        areas[1].set_hatch("..")
+        areas[1].set_edgecolor(cue_colours()["MARK"])
+        areas[1].set_linewidth(0)
         a.plot(t, [p.block_refs for p in self.timeline], color="black", lw=1, ls="--",
                label="blocks if nothing were shared")
         a.set(xlabel="seconds", ylabel="blocks", title="the pool, step by step")

@@ -8,12 +8,17 @@ import assert from "node:assert/strict";
 
 import {
   COLORS,
+  LIGHT,
+  MARK,
+  STRIPE,
   applyFrame,
   createStore,
   drawBlocks,
   gaugeRows,
   layout,
+  parseColor,
   statusText,
+  themeOf,
 } from "../../jupyter_pagedkv/widgets/static/blockmap.js";
 
 // feed.py's KNOWN_STATES: the legend every feed starts with.
@@ -369,6 +374,120 @@ test("a one-block-per-cell map draws each block's state colour", () => {
     const x0 = (b % lay.cols) * lay.cell, y0 = Math.floor(b / lay.cols) * lay.cell;
     assert.deepEqual(pixel(img, x0 + inner - 1, y0 + inner - 1), COLORS[states[b]], `block ${b}`);
   }
+});
+
+/** Every pixel of block `b`'s cell (one block per cell) as "r,g,b" strings. */
+function cellPixels(img, lay, b) {
+  const inner = lay.cell - lay.gap;
+  const x0 = (b % lay.cols) * lay.cell, y0 = Math.floor(b / lay.cols) * lay.cell;
+  const out = [];
+  for (let y = 0; y < inner; y++) for (let x = 0; x < inner; x++) out.push(pixel(img, x0 + x, y0 + y).join());
+  return out;
+}
+
+test("shared blocks carry a corner mark and swapped blocks stripes, at every cell size", () => {
+  for (const n of [16, 300, 4000]) {               // big cells (with labels) down to 3 px cells
+    const states = Array.from({ length: n }, (_, i) => ["used", "shared", "swapped", "free"][i % 4]);
+    const store = createStore();
+    applyFrame(store, fullFrame({ seq: 0, states }));
+    const lay = layout(n, 640, 220);
+    assert.equal(lay.group, 1, `n=${n} fits one block per cell`);
+    const canvas = fakeCanvas();
+    drawBlocks(canvas, store, lay, null);
+    const img = canvas.ctx.image;
+    const count = (px, rgb) => px.filter((p) => p === rgb.join()).length;
+    for (let b = 0; b < Math.min(n, 12); b++) {
+      const px = cellPixels(img, lay, b);
+      const state = states[b];
+      // The mark sits in the top-left corner; the rest of the cell keeps the state colour.
+      assert.equal(px[0] === MARK.join(), state === "shared", `n=${n} block ${b} (${state}) corner`);
+      assert.ok(count(px, COLORS[state]) > px.length / 3, `n=${n} block ${b} keeps its colour`);
+      const stripes = count(px, STRIPE);
+      if (state === "swapped") assert.ok(stripes >= lay.cell - lay.gap, `n=${n} block ${b}: ${stripes} stripe px`);
+      else assert.equal(stripes, 0, `n=${n} block ${b} (${state}) has no stripes`);
+      if (state !== "shared") assert.equal(count(px, MARK), 0, `n=${n} block ${b} (${state}) has no mark`);
+    }
+  }
+});
+
+test("a grouped cell's shared part is marked and its swapped part striped", () => {
+  const n = 100000;
+  const lay = layout(n, 640, 220);
+  assert.ok(lay.group > 1);
+  const states = Array(n).fill("free");
+  for (let i = 0; i < lay.group; i++) states[i] = i % 2 ? "shared" : "swapped";   // cell 0: half each
+  const store = createStore();
+  applyFrame(store, fullFrame({ seq: 0, states }));
+  const canvas = fakeCanvas();
+  drawBlocks(canvas, store, lay, null);
+  const inner = lay.cell - lay.gap;
+  const column = (x) => Array.from({ length: inner }, (_, y) => pixel(canvas.ctx.image, x, y).join());
+  assert.ok(column(0).includes(MARK.join()), `left column ${column(0)}`);
+  assert.ok(column(1).includes(COLORS.shared.join()), `shared segment ${column(1)}`);
+  assert.ok([...Array(inner).keys()].some((x) => column(x).includes(STRIPE.join())), "no stripes");
+});
+
+test("the map paints the theme's background and free colour, not the light defaults", () => {
+  const dark = { background: [17, 17, 17], free: [66, 66, 66], ink: [230, 230, 230] };
+  const states = ["free", "used", "free", "cached"];
+  const store = createStore();
+  applyFrame(store, fullFrame({ seq: 0, states }));
+  const lay = layout(states.length, 640, 220);
+  const canvas = fakeCanvas();
+  drawBlocks(canvas, store, lay, null, dark);
+  const img = canvas.ctx.image;
+  assert.ok(cellPixels(img, lay, 0).every((p) => p === "66,66,66"));
+  assert.ok(cellPixels(img, lay, 1).every((p) => p === COLORS.used.join()));
+  if (lay.gap) assert.deepEqual(pixel(img, lay.cell - 1, 0), dark.background);   // the gap between cells
+  assert.deepEqual(LIGHT.free, COLORS.free);
+});
+
+test("parseColor reads what getComputedStyle and a canvas give back", () => {
+  assert.deepEqual(parseColor("rgb(33, 33, 33)"), [33, 33, 33, 1]);
+  assert.deepEqual(parseColor("rgba(0, 0, 0, 0)"), [0, 0, 0, 0]);
+  assert.deepEqual(parseColor("rgb(10 20 30 / 0.5)"), [10, 20, 30, 0.5]);
+  assert.deepEqual(parseColor("#424242"), [66, 66, 66, 1]);
+  assert.equal(parseColor("var(--x)"), null);
+  assert.equal(parseColor(""), null);
+});
+
+/** Elements as themeOf sees them: computed background, text colour and CSS variables. */
+function fakeElement(chain) {
+  const nodes = chain.map((style) => ({ nodeType: 1, style }));
+  nodes.forEach((n, i) => { n.parentElement = nodes[i + 1] || null; });
+  const doc = {
+    defaultView: {
+      getComputedStyle: (e) => ({
+        backgroundColor: e.style.background || "rgba(0, 0, 0, 0)",
+        color: e.style.color || "rgb(0, 0, 0)",
+        getPropertyValue: (name) => (e.style.vars || {})[name] || "",
+      }),
+    },
+    createElement: () => ({ getContext: () => ({ canvas: { ownerDocument: doc }, set fillStyle(v) { this._f = parseColor(v) ? v : this._f; }, get fillStyle() { return this._f; } }) }),
+  };
+  nodes.forEach((n) => { n.ownerDocument = doc; });
+  return nodes[0];
+}
+
+test("themeOf takes the background behind the map and the theme's --jp-layout-color2", () => {
+  const el = fakeElement([
+    { color: "rgb(224, 224, 224)", vars: { "--jp-layout-color2": "#424242" } },   // the map's root
+    { background: "rgba(0, 0, 0, 0)" },                                            // transparent output area
+    { background: "rgb(17, 17, 17)" },                                             // the dark notebook
+  ]);
+  const theme = themeOf(el);
+  assert.deepEqual(theme.background, [17, 17, 17]);
+  assert.deepEqual(theme.free, [66, 66, 66]);
+  assert.deepEqual(theme.ink, [224, 224, 224]);
+});
+
+test("themeOf without JupyterLab's variables mixes free from the host's own colours", () => {
+  const dark = themeOf(fakeElement([{ color: "rgb(240, 240, 240)" }, { background: "rgb(30, 30, 30)" }]));
+  assert.deepEqual(dark.background, [30, 30, 30]);
+  assert.ok(dark.free[0] > 30 && dark.free[0] < 240, `free ${dark.free} lies between background and text`);
+  const light = themeOf(fakeElement([{ color: "rgb(20, 20, 20)" }, { background: "rgb(255, 255, 255)" }]));
+  assert.deepEqual(light.free, COLORS.free);
+  assert.deepEqual(themeOf({}), LIGHT);                                   // no document: the light default
 });
 
 // -- status text and gauge rows ------------------------------------------------------------------

@@ -122,7 +122,9 @@ def lab(tmp_path_factory):
         [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ServerApp.token=",
          "--ServerApp.password=", "--ServerApp.ip=127.0.0.1", f"--port={port}",
          "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         # window.jupyterapp: the theme test switches themes with JupyterLab's own command.
+         "--LabApp.expose_app_in_browser=True"],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -199,7 +201,9 @@ def wait_done(page, index: int, timeout: float = 180) -> None:
 
 
 def cell_text(page, index: int) -> str:
-    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
+    """The text of a cell's own output area (a `%%generate` cell of several prompts nests output
+    widgets, each with an `.jp-OutputArea` of its own, inside it)."""
+    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-Cell-outputArea").inner_text()
 
 
 def pixels(page, selector: str) -> dict[str, int] | None:
@@ -304,3 +308,81 @@ def test_side_panel_draws_the_pool_and_the_status_bar_reads_usage(page):
     assert busy and re.fullmatch(r"KV \d+(\.\d)?% · [1-9]\d* running( · \d+ waiting)?", busy), texts
     watch(page, PANEL_CANVAS, lambda c: c["used"] == 0, timeout=30)
     (ARTIFACTS / "status.json").write_text(json.dumps({"idle_text": status, "busy_text": busy}))
+
+
+# WCAG 2.x contrast of every text the monitor shows against what is painted behind it, from the
+# rendered styles: the text's computed colour (faded by any opacity on its way up) over the first
+# ancestor backgrounds that add up to an opaque one. Returns one row per visible text element.
+CONTRAST = """(selectors) => {
+  const parse = (s) => { const m = /rgba?\\(([^)]*)\\)/.exec(s); if (!m) return null;
+    const p = m[1].split(/[\\s,\\/]+/).filter(Boolean).map(Number); return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1]; };
+  const over = (top, under) => top.slice(0, 3).map((c, i) => c * top[3] + under[i] * (1 - top[3]));
+  const lum = (rgb) => rgb.map((c) => { const v = c / 255; return v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; })
+    .reduce((s, v, i) => s + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const backdrop = (el) => { const layers = [];
+    for (let e = el; e; e = e.parentElement) { const c = parse(getComputedStyle(e).backgroundColor);
+      if (c && c[3] > 0) { layers.push(c); if (c[3] >= 1) break; } }
+    let bg = [255, 255, 255]; for (const c of layers.reverse()) bg = over(c, bg); return bg; };
+  const rows = [];
+  for (const sel of selectors) for (const el of document.querySelectorAll(sel)) {
+    if (!el.offsetParent || !el.textContent.trim()) continue;
+    // An opacity on the text or an ancestor fades it into the backdrop as much as an alpha would.
+    let fade = 1;
+    for (let e = el; e; e = e.parentElement) fade *= Number(getComputedStyle(e).opacity);
+    const ink = parse(getComputedStyle(el).color);
+    const bg = backdrop(el), fg = over([ink[0], ink[1], ink[2], ink[3] * fade], bg);
+    const [a, b] = [lum(fg), lum(bg)].sort((x, y) => y - x);
+    rows.push({ sel, text: el.textContent.trim().slice(0, 40), fg: fg.map(Math.round), bg: bg.map(Math.round),
+                ratio: (a + 0.05) / (b + 0.05) });
+  }
+  return rows;
+}"""
+TEXTS = [f"{root} {part}" for root in (WIDGET_ROOT, PANEL_ROOT)
+         for part in (".pkv-title", ".pkv-gauges span", ".pkv-legend span", ".pkv-hover", ".pkv-note")] + [
+    ".pkv-status", ".pkv-panel-note"]
+
+
+def assert_readable(page, theme: str) -> list[dict]:
+    rows = page.evaluate(CONTRAST, TEXTS)
+    seen = {r["sel"] for r in rows}
+    for must in (f"{WIDGET_ROOT} .pkv-gauges span", f"{PANEL_ROOT} .pkv-gauges span", f"{WIDGET_ROOT} .pkv-legend span",
+                 f"{PANEL_ROOT} .pkv-title", ".pkv-status"):
+        assert must in seen, f"{theme}: nothing visible matched {must}: {sorted(seen)}"
+    low = [r for r in rows if r["ratio"] < 4.5]
+    assert not low, f"{theme} theme: text below WCAG AA 4.5:1: {low}"
+    return rows
+
+
+def test_light_and_dark_themes_keep_states_apart_and_text_readable(page):
+    """The widget, the side panel and the status bar follow JupyterLab's theme: in the light and
+    the dark theme every text keeps 4.5:1 contrast (computed from the rendered styles), and the map
+    paints free blocks in the theme's own grey, apart from every other state."""
+    light = assert_readable(page, "light")
+    page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    page.wait_for_selector("body[data-jp-theme-light='false']", state="attached", timeout=30_000)
+    page.wait_for_timeout(1000)                  # the theme's stylesheet is in once the attribute is set
+    dark_free = page.evaluate("""() => { const c = document.createElement('canvas').getContext('2d');
+        c.fillStyle = getComputedStyle(document.body).getPropertyValue('--jp-layout-color2').trim();
+        const n = parseInt(c.fillStyle.slice(1), 16); return [n >> 16, (n >> 8) & 255, n & 255]; }""")
+    colors = {**{k: list(v) for k, v in palette().items()}, "free": dark_free}
+    assert dark_free != colors["cached"] and sum(dark_free) < sum(palette()["free"]), dark_free
+    # The map repaints on the theme change alone (no new frame): free cells in the dark grey.
+    for selector in (WIDGET_CANVAS, PANEL_CANVAS):
+        deadline = time.monotonic() + 20
+        while (page.evaluate(COUNT_PIXELS, [selector, colors]) or {}).get("free", 0) == 0:
+            assert time.monotonic() < deadline, f"{selector} never repainted free blocks in {dark_free}"
+            time.sleep(0.2)
+    reset_peaks(page, WIDGET_ROOT)
+    run_cell(page, 4, wait=False)                 # samples: used and shared blocks, in the dark
+    wait_for_peak(page, WIDGET_ROOT, "peakShared")
+    counts = page.evaluate(COUNT_PIXELS, [WIDGET_CANVAS, colors])
+    page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "dark-widget.png"))
+    page.screenshot(path=str(ARTIFACTS / "dark-lab.png"))
+    page.locator("#jupyter-pagedkv-panel").screenshot(path=str(ARTIFACTS / "dark-side-panel.png"))
+    dark = assert_readable(page, "dark")
+    wait_done(page, 4)
+    assert counts["free"] > 0, counts
+    assert {r["bg"][0] for r in dark if r["sel"].endswith(".pkv-gauges span")} != {255}, dark
+    (ARTIFACTS / "contrast.json").write_text(json.dumps({"light": light, "dark": dark}, indent=1))
+    page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+    page.wait_for_selector("body[data-jp-theme-light='true']", state="attached", timeout=30_000)

@@ -21,7 +21,7 @@ def test_colours_are_the_widget_table():
     js = (STATIC / "blockmap.js").read_text()
     names = re.findall(r"^\s+(\w+): \[\d+, \d+, \d+\],$", js.split("export const COLORS")[1].split("};")[0], re.M)
     assert set(state_colours()) == set(names) >= {"free", "cached", "used", "shared", "swapped", "speculative"}
-    assert state_colours()["used"] == (22 / 255, 163 / 255, 74 / 255)
+    assert state_colours()["used"] == (0 / 255, 158 / 255, 115 / 255)
 
 
 def test_recorder_keeps_the_busiest_step_and_detaches(make_engine):
@@ -57,3 +57,42 @@ def test_figure_before_recording_says_what_to_do(make_engine):
     rec = PoolRecorder(make_engine(MODEL, block_size=4, num_blocks=16))
     with pytest.raises(RuntimeError, match="inside `with PoolRecorder"):
         rec.figure()
+
+
+def test_shared_and_swapped_blocks_carry_the_maps_second_cues():
+    """Shared blocks get the corner mark, swapped ones the stripes: in the squares, in the legend,
+    and in the rendered pixels (so a reader who cannot tell the hues apart still can)."""
+    import numpy as np
+    from matplotlib.patches import Polygon, Rectangle
+
+    from jupyter_pagedkv.widgets.pool_figure import cue_colours
+
+    snap = {"states": ["used", "shared", "shared", "swapped", "free", "cached"],
+            "ref_counts": [1, 2, 3, 1, 0, 0], "block_size": 16}
+    fig = pool_figure(snap, columns=3)
+    ax = fig.axes[0]
+    marks = [p for p in ax.patches if isinstance(p, Polygon) and p.get_gid() == "shared-mark"]
+    assert len(marks) == 2
+    hatched = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_hatch()]
+    assert len(hatched) == 1 and hatched[0].get_facecolor()[:3] == pytest.approx(state_colours()["swapped"])
+    assert [t.get_text() for t in ax.texts] == ["2", "3"]
+    legend = ax.get_legend()
+    assert [h.get_hatch() for h in legend.legend_handles] == [None, None, None, None, "////"]
+    fig.set_dpi(100)
+    fig.canvas.draw()
+    image = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+
+    def near(rgb, patch=None) -> int:
+        """Pixels within 8 levels of `rgb`, in the whole figure or inside `patch`'s box."""
+        px = image
+        if patch is not None:
+            box = patch.get_window_extent()
+            top = image.shape[0]
+            px = image[int(top - box.y1) + 1:int(top - box.y0) - 1, int(box.x0) + 1:int(box.x1) - 1]
+        return int((np.abs(px - np.array(rgb) * 255).max(axis=-1) <= 8).sum())
+
+    assert near(cue_colours()["STRIPE"], hatched[0]) > 20      # the stripes are drawn, not only declared
+    shared_square = next(p for p in ax.patches if isinstance(p, Rectangle)
+                         and p.get_facecolor()[:3] == pytest.approx(state_colours()["shared"]))
+    assert near(cue_colours()["MARK"], shared_square) > 10      # the corner mark, inside the square
+    assert near(state_colours()["shared"], shared_square) > 20

@@ -6,20 +6,33 @@
 // (`prev` = the seq it applies on) carries parallel arrays ids (uint32), codes (uint8, index into
 // `legend`) and refs (uint8, ref count capped at 255) for the blocks that changed.
 
-/** RGB of each known state; any other state name gets a stable colour from its name. */
+/** RGB of each known state; any other state name gets a stable colour from its name. The Okabe-Ito
+ * palette, chosen so the states stay apart with protanopia, deuteranopia and tritanopia in both
+ * JupyterLab themes (tests/widgets/test_palette.py simulates them: every pair at least 15 CIEDE2000
+ * apart): used its bluish green, cached its sky blue lightened, shared its vermillion darkened (apart
+ * from used in lightness, which red-green deficiencies keep), swapped its reddish purple,
+ * speculative its yellow. Free is the light theme's --jp-layout-color2, the "empty" grey; at render
+ * time the theme's own value replaces it (themeOf). One state per line: pool_figure.py and tests
+ * parse it. */
 export const COLORS = {
-  free: [229, 231, 235],
-  cached: [147, 197, 253],
-  used: [22, 163, 74],
-  shared: [249, 115, 22],
-  swapped: [139, 92, 246],
-  speculative: [234, 179, 8],
+  free: [238, 238, 238],
+  cached: [137, 203, 240],
+  used: [0, 158, 115],
+  shared: [170, 75, 0],
+  swapped: [204, 121, 167],
+  speculative: [240, 228, 66],
 };
 // Bottom-to-top order of the stacked bars drawn when one cell stands for several blocks.
 const STACK = ["shared", "speculative", "used", "swapped", "cached", "free"];
+// Second cues, for the states that matter most, so they never rest on hue alone: shared blocks get
+// a light corner mark (and their ref count where a cell has room), swapped blocks dark diagonal
+// stripes. Both differ from their state colour in lightness, which every colour deficiency keeps.
+export const MARK = [255, 255, 255];
+export const STRIPE = [72, 28, 56];
 const BACKGROUND = [255, 255, 255];
-const MARK = [124, 45, 18]; // the ref-count mark on shared blocks
 const HISTORY = 240;
+/** The colours taken from the host page; this default is JupyterLab's light theme. */
+export const LIGHT = { background: BACKGROUND, free: COLORS.free, ink: [17, 17, 17] };
 
 export function colorOf(state) {
   if (COLORS[state]) return COLORS[state];
@@ -117,8 +130,72 @@ export function layout(numBlocks, width, maxHeight) {
   return { cell, cols, rows, group, cells, width: cols * cell, height: rows * cell, gap: cell >= 5 ? 1 : 0 };
 }
 
-/** Paint the block map into `canvas` (1 canvas px per CSS px, so pixels can be checked). */
-export function drawBlocks(canvas, store, lay, highlight) {
+/** "rgb(r, g, b)", "rgba(r, g, b, a)" or "#rrggbb" (what getComputedStyle and a canvas context
+ * give back) as [r, g, b, a]; null for anything else. */
+export function parseColor(text) {
+  const s = String(text || "").trim();
+  let m = /^#([0-9a-f]{6})$/i.exec(s);
+  if (m) {
+    const n = parseInt(m[1], 16);
+    return [n >> 16, (n >> 8) & 255, n & 255, 1];
+  }
+  m = /^rgba?\(([^)]*)\)$/i.exec(s);
+  if (!m) return null;
+  const p = m[1].split(/[\s,/]+/).filter(Boolean).map(Number);
+  if (p.length < 3 || p.some(Number.isNaN)) return null;
+  return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+}
+
+const over = (top, under) => top.slice(0, 3).map((c, i) => Math.round(c * top[3] + under[i] * (1 - top[3])));
+// Relative luminance (WCAG 2.x): which of two colours is the darker one.
+const luminance = (rgb) => rgb.slice(0, 3).map((c) => {
+  const v = c / 255;
+  return v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+}).reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+
+// A canvas context turns any CSS colour (a name, #eee, hsl()) into "#rrggbb" or "rgba(...)".
+let parser = null;
+function colorParser(doc) {
+  if (!parser || parser.canvas.ownerDocument !== doc) parser = doc.createElement("canvas").getContext("2d");
+  return parser;
+}
+
+/** The colours the map takes from the page around `el`, read at render time so a theme switch
+ * reaches it: the background actually behind it (the first ancestor that paints one), the text
+ * colour, and "free" = the JupyterLab theme's --jp-layout-color2 (the grey its themes raise panels
+ * with, apart from both of their backgrounds). Hosts without JupyterLab's variables (VS Code,
+ * Colab) get a free grey mixed from their own background and text colour. */
+export function themeOf(el) {
+  const view = el.ownerDocument && el.ownerDocument.defaultView;
+  if (!view || !view.getComputedStyle) return LIGHT;
+  const style = view.getComputedStyle(el);
+  const layers = [];
+  for (let e = el; e && e.nodeType === 1; e = e.parentElement) {
+    const c = parseColor(view.getComputedStyle(e).backgroundColor);
+    if (c && c[3] > 0) layers.push(c);
+    if (c && c[3] >= 1) break;
+  }
+  const text = parseColor(style.color);
+  // Nothing paints behind us: guess the page's colour from the text, dark text meaning light page.
+  let background = text && luminance(text) > 0.5 ? [30, 30, 30] : BACKGROUND;
+  for (const c of layers.reverse()) background = over(c, background);
+  const ink = text ? over(text, background) : LIGHT.ink;
+  let free = null;
+  const probe = colorParser(el.ownerDocument);
+  const themed = style.getPropertyValue("--jp-layout-color2").trim();
+  if (probe && themed) {
+    probe.fillStyle = "rgba(0, 0, 0, 0)"; // stays so when the variable is no colour
+    probe.fillStyle = themed;
+    const c = parseColor(probe.fillStyle);
+    if (c && c[3] > 0) free = over(c, background);
+  }
+  if (!free) free = luminance(background) < luminance(ink) ? over([...ink, 0.2], background) : COLORS.free;
+  return { background, free, ink };
+}
+
+/** Paint the block map into `canvas` (1 canvas px per CSS px, so pixels can be checked), in the
+ * colours of `theme` (themeOf; LIGHT when not given). */
+export function drawBlocks(canvas, store, lay, highlight, theme = LIGHT) {
   canvas.width = lay.width;
   canvas.height = lay.height;
   canvas.style.width = `${lay.width}px`;
@@ -127,24 +204,32 @@ export function drawBlocks(canvas, store, lay, highlight) {
   if (!ctx || !lay.width || !lay.height) return;
   const img = ctx.createImageData(lay.width, lay.height);
   const px = img.data;
+  const bg = theme.background;
   for (let i = 0; i < px.length; i += 4) {
-    px[i] = BACKGROUND[0]; px[i + 1] = BACKGROUND[1]; px[i + 2] = BACKGROUND[2]; px[i + 3] = 255;
+    px[i] = bg[0]; px[i + 1] = bg[1]; px[i + 2] = bg[2]; px[i + 3] = 255;
   }
-  const fill = (x0, y0, w, h, rgb) => {
+  const set = (x, y, rgb) => {
+    const o = (y * lay.width + x) * 4;
+    px[o] = rgb[0]; px[o + 1] = rgb[1]; px[o + 2] = rgb[2];
+  };
+  // Stripes run along x + y in canvas coordinates, so neighbouring swapped cells join up into one
+  // hatched area, and a 3 px cell still gets a stripe pixel in each row.
+  const fill = (x0, y0, w, h, rgb, striped) => {
     for (let y = y0; y < y0 + h; y++) {
-      let o = (y * lay.width + x0) * 4;
-      for (let x = 0; x < w; x++, o += 4) {
-        px[o] = rgb[0]; px[o + 1] = rgb[1]; px[o + 2] = rgb[2];
-      }
+      for (let x = x0; x < x0 + w; x++) set(x, y, striped && (x + y) % 3 === 0 ? STRIPE : rgb);
     }
   };
-  const colors = store.legend.map(colorOf);
+  const colors = store.legend.map((s) => (s === "free" ? theme.free : colorOf(s)));
+  const striped = store.legend.map((s) => s === "swapped");
   const { cell, gap, group, cols } = lay;
   const inner = cell - gap;
+  // The shared mark: a corner triangle about 2/5 of the cell wide (3 px of a 3 px cell).
+  const corner = Math.max(2, Math.round(inner * 0.4));
   const rank = store.legend.map((s) => (STACK.indexOf(s) < 0 ? 1.5 : STACK.indexOf(s)));
   const order = store.legend.map((_, i) => i).sort((a, b) => rank[a] - rank[b]);
   const counts = new Uint32Array(store.legend.length);
   const freeCode = store.legend.indexOf("free");
+  const sharedCode = store.legend.indexOf("shared");
   const labels = [];
   for (let c = 0; c < lay.cells; c++) {
     const x0 = (c % cols) * cell;
@@ -152,11 +237,11 @@ export function drawBlocks(canvas, store, lay, highlight) {
     const start = c * group;
     if (group === 1) {
       const code = store.codes[start];
-      fill(x0, y0, inner, inner, colors[code] || BACKGROUND);
+      fill(x0, y0, inner, inner, colors[code] || bg, striped[code]);
       const ref = store.refs[start];
       if (ref > 1) {
+        for (let y = 0; y < corner; y++) for (let x = 0; x < corner - y; x++) set(x0 + x, y0 + y, MARK);
         if (inner >= 10) labels.push([x0, y0, ref]);
-        else fill(x0, y0, Math.max(1, inner >> 1), Math.max(1, inner >> 1), MARK);
       }
       continue;
     }
@@ -172,25 +257,32 @@ export function drawBlocks(canvas, store, lay, highlight) {
       let h = Math.round((counts[code] / total) * inner);
       if (h === 0 && code !== freeCode) h = 1;
       h = Math.min(h, left);
-      if (h > 0) fill(x0, y - h, inner, h, colors[code]);
+      if (h > 0) {
+        fill(x0, y - h, inner, h, colors[code], striped[code]);
+        // A bar segment has no corner: its shared part gets the mark as its left pixel column.
+        if (code === sharedCode) fill(x0, y - h, 1, h, MARK, false);
+      }
       y -= h;
       left -= h;
     }
   }
   ctx.putImageData(img, 0, 0);
   if (highlight && highlight.size && group === 1) {
-    ctx.strokeStyle = "rgb(17,24,39)";
+    ctx.strokeStyle = css(theme.ink);
     ctx.lineWidth = 1;
     for (const b of highlight) {
       ctx.strokeRect((b % cols) * cell + 0.5, Math.floor(b / cols) * cell + 0.5, inner - 1, inner - 1);
     }
   }
   if (labels.length) {
+    // The count goes bottom-right, clear of the corner mark; MARK on the dark shared colour.
     ctx.fillStyle = css(MARK);
     ctx.font = `${Math.max(7, inner - 4)}px sans-serif`;
     ctx.textAlign = "center";
     ctx.textBaseline = "middle";
-    for (const [x, y, ref] of labels) ctx.fillText(ref > 9 ? "+" : String(ref), x + inner / 2, y + inner / 2 + 0.5);
+    for (const [x, y, ref] of labels) {
+      ctx.fillText(ref > 9 ? "+" : String(ref), x + inner * 0.58, y + inner * 0.58 + 0.5);
+    }
   }
 }
 
@@ -247,18 +339,32 @@ export function gaugeRows(g) {
   return rows;
 }
 
+// Colours come from JupyterLab's theme variables; where a host has none (VS Code, Colab) text
+// falls back to the colour it inherits, which the host keeps readable on its own background.
+// Secondary text uses --jp-ui-font-color2, which the JupyterLab themes keep at 4.5:1 or more on
+// their backgrounds (WCAG AA), rather than an opacity that would fade it below that.
 const STYLE = `
-.pkv-root { font: 12px/1.4 var(--jp-ui-font-family, sans-serif); color: var(--jp-ui-font-color1, #111); }
+.pkv-root { font: 12px/1.4 var(--jp-ui-font-family, sans-serif); color: var(--jp-ui-font-color1, currentColor); }
 .pkv-title { font-weight: 600; margin-bottom: 4px; }
-.pkv-bar { display: flex; height: 8px; border-radius: 3px; overflow: hidden; margin: 4px 0 6px; background: rgb(229,231,235); }
+.pkv-bar { display: flex; height: 8px; border-radius: 3px; overflow: hidden; margin: 4px 0 6px; background: var(--jp-layout-color2, rgb(238,238,238)); }
 .pkv-gauges { display: grid; grid-template-columns: max-content 1fr; gap: 0 10px; margin-bottom: 6px; }
-.pkv-gauges .pkv-k { opacity: .7; }
+.pkv-gauges .pkv-k, .pkv-legend, .pkv-hover, .pkv-note { color: var(--jp-ui-font-color2, currentColor); }
 .pkv-blocks { display: block; cursor: crosshair; image-rendering: pixelated; }
-.pkv-legend { display: flex; flex-wrap: wrap; gap: 2px 10px; margin-top: 4px; opacity: .85; }
-.pkv-legend i { display: inline-block; width: 9px; height: 9px; margin-right: 3px; vertical-align: -1px; }
-.pkv-hover { min-height: 1.4em; opacity: .85; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
-.pkv-note { opacity: .7; font-style: italic; }
+.pkv-legend { display: flex; flex-wrap: wrap; gap: 2px 10px; margin-top: 4px; }
+.pkv-legend i { display: inline-block; width: 10px; height: 10px; margin-right: 3px; vertical-align: -1px; }
+.pkv-hover { min-height: 1.4em; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.pkv-note { font-style: italic; }
 `;
+
+/** A legend swatch's CSS background: the state's colour with the same second cue as the map. */
+function swatch(state, theme) {
+  const color = css(state === "free" ? theme.free : colorOf(state));
+  if (state === "shared") return `linear-gradient(135deg, ${css(MARK)} 0 35%, transparent 35%), ${color}`;
+  if (state === "swapped") {
+    return `repeating-linear-gradient(135deg, ${css(STRIPE)} 0 1px, transparent 1px 3px), ${color}`;
+  }
+  return color;
+}
 
 function ensureStyle(doc) {
   if (doc.getElementById("pkv-style")) return;
@@ -322,15 +428,17 @@ export function mount(el, opts = {}) {
     if (!store.gauges) return;
     const g = store.gauges;
     lay = layout(store.numBlocks, width(), maxHeight);
-    drawBlocks(blocks, store, lay, highlight);
+    const theme = themeOf(root);
+    drawBlocks(blocks, store, lay, highlight, theme);
     const n = g.num_blocks || 1;
     const shares = [["shared", g.num_shared], ["used", g.num_used - g.num_shared], ["cached", g.num_cached]];
     bar.innerHTML = shares.filter(([, k]) => k > 0)
       .map(([s, k]) => `<span style="width:${(100 * k) / n}%;background:${css(colorOf(s))}"></span>`).join("");
+    bar.style.background = css(theme.free);
     gauges.innerHTML = gaugeRows(g).map(([k, v]) => `<span class="pkv-k">${k}</span><span>${v}</span>`).join("");
     const scale = lay.group === 1 ? "one cell per block" : `one cell per ${lay.group} blocks (stacked by state)`;
     legend.innerHTML = store.legend.filter((s) => s in COLORS || (g.states && g.states[s]))
-      .map((s) => `<span><i style="background:${css(colorOf(s))}"></i>${s}</span>`).join("") +
+      .map((s) => `<span><i style="background:${swatch(s, theme)}"></i>${s}</span>`).join("") +
       `<span>${scale} · ${store.numBlocks.toLocaleString()} blocks × ${store.blockSize} tokens</span>`;
     drawSparkline(spark, store.history);
     root.dataset.seq = String(store.seq);
@@ -368,6 +476,16 @@ export function mount(el, opts = {}) {
   });
   const resize = typeof ResizeObserver !== "undefined" ? new ResizeObserver(() => schedule()) : null;
   if (resize) resize.observe(el);
+  // A theme switch changes no frame: redraw when the page says the theme changed. JupyterLab sets
+  // data-jp-theme-* on <body> once the new theme's CSS is in, VS Code swaps <body>'s class, and
+  // other hosts follow the system's colour scheme.
+  const win = doc.defaultView;
+  const themeWatch = win && win.MutationObserver && doc.body ? new win.MutationObserver(() => schedule()) : null;
+  if (themeWatch) {
+    themeWatch.observe(doc.body, { attributes: true, attributeFilter: ["data-jp-theme-name", "data-jp-theme-light", "class"] });
+  }
+  const scheme = win && win.matchMedia ? win.matchMedia("(prefers-color-scheme: dark)") : null;
+  if (scheme && scheme.addEventListener) scheme.addEventListener("change", schedule);
 
   return {
     store,
@@ -382,6 +500,8 @@ export function mount(el, opts = {}) {
     dispose() {
       disposed = true;
       if (resize) resize.disconnect();
+      if (themeWatch) themeWatch.disconnect();
+      if (scheme && scheme.removeEventListener) scheme.removeEventListener("change", schedule);
       root.remove();
     },
   };
