@@ -270,6 +270,10 @@ def test_the_widget_shows_blocks_in_use_during_a_run_and_freed_after(page):
     assert after["cached"] > 0 and after["free"] > 0, after     # finished blocks keep their prefix
     text = cell_text(page, 3)
     assert text.count("tokens generated") == len(PROMPTS), text
+    # The answers are Markdown, rendered by JupyterLab: one rendered document per prompt's column.
+    answers = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-RenderedMarkdown")
+    assert answers.count() == len(PROMPTS), answers.count()
+    page.locator(".jp-Notebook .jp-Cell").nth(3).screenshot(path=str(ARTIFACTS / "markdown-answers.png"))
     gauges = page.locator(".jp-OutputArea .pkv-gauges").first.inner_text()
     assert "0 running" in gauges and "KV used" in gauges, gauges
     page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "widget-after-run.png"))
