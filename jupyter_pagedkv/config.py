@@ -50,6 +50,10 @@ class EngineConfig:
     device: str = option("auto", "cpu, cuda, cuda:1 ... (auto: CUDA when available)", loading=True)
     dtype: str = option("auto", "float32, bfloat16, float16 (auto: bf16 on CUDA, fp32 on a CPU)",
                         loading=True)
+    revision: str | None = option(None, "hub revision: a branch, tag or commit (default: main)",
+                                  metavar="REV", loading=True)
+    trust_remote_code: bool = option(False, "run the model repo's own Python code (only for repos "
+                                            "you trust)", flag="--trust-remote-code", loading=True)
     block_size: int = option(16, "tokens per KV block", metavar="N")
     num_blocks: int | None = option(None, "KV blocks to allocate (default: from the KV memory; "
                                           "wins over it when both are given)", metavar="N")

@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests never reach the model hub (our machines cannot): it is offline for them and for the kernels
+# they start, so a hub id fails at once with the offline message; tests of downloading replace the
+# hub client (jupyter_pagedkv.worker.hub.snapshot_download).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402  (importing torch does not import triton)
 

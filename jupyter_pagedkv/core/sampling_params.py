@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Per-request sampling and stopping rules; `temperature=0` means greedy."""
 
-    max_tokens: int = 64
+    # None: as many as the model's context allows (the request ends with finish reason "length"
+    # there); a number that would run past the context is refused up front instead.
+    max_tokens: int | None = 64
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
@@ -31,8 +33,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Reject nonsense early, with a message that says what to pass instead."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+            raise ValueError(f"max_tokens must be a positive integer (or None: up to the model's context), "
+                             f"got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:

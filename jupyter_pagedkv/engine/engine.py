@@ -28,6 +28,7 @@ from ..core.sequence import Sequence
 from ..core.stats import EngineCounters
 from ..decoding.beam_search import BeamSearchOutput
 from ..decoding.speculative import Speculator
+from ..worker.compat import UnsupportedModelError, check_servable
 from ..worker.kv_cache import KVCache, KVSpec
 from ..worker.model_runner import ModelRunner
 from ..worker.padded_decode import PaddedDecode
@@ -61,7 +62,9 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", None) or 4096
         self.vocab_size = text.vocab_size
-        self.spec = KVSpec.from_config(model.config, self.dtype)
+        # The probe finds what the cache must hold (and refuses a model it cannot serve exactly).
+        seen = check_servable(model, self.name)
+        self.spec = KVSpec(text.num_hidden_layers, seen.num_kv_heads, seen.head_dim, self.dtype)
         self.block_size = bs = config.block_size
         num_blocks = setup.num_blocks(config, self.spec, self.device)
         self.allocator, self.preemption_mode, self.seed = config.allocator, config.preemption_mode, config.seed
@@ -78,6 +81,9 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         from ..worker.kernels_bridge import resolve_backend
         from ..worker.packed_linear import should_pack
         backend = resolve_backend(self.device, None if config.attention_backend == "auto" else config.attention_backend)
+        if seen.softcap and backend == "triton":
+            raise UnsupportedModelError(f"{self.name} soft-caps its attention logits, which the Triton kernels "
+                                        f"do not: load it with attention_backend='torch' (--attention-backend torch)")
         self.pack_weights = should_pack(self.device, self.dtype, config.pack_weights)
         padded = PaddedDecode(model, self.kv_cache, backend, config.max_num_seqs, self.max_model_len,
                               capture=config.cuda_graphs) if pad else None
@@ -109,7 +115,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         from ..worker.loader import load_model, resolve_device_dtype
         config = (config or EngineConfig()).replace(device=device, dtype=dtype, **options)
         dev, torch_dtype = resolve_device_dtype(config.device, config.dtype)
-        loaded = load_model(model, torch_dtype, dev)
+        loaded = load_model(model, torch_dtype, dev, revision=config.revision,
+                            trust_remote_code=config.trust_remote_code)
         return cls(loaded.model, loaded.tokenizer, config, name=loaded.name)
 
     @staticmethod
@@ -163,6 +170,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
             beam = intake.beam_state(ids, params, self.eos_token_ids, self.max_model_len, self.vocab_size,
                                      self.block_size, self.pool.num_blocks)
             params = beam.sampling_params
+        params = intake.within_context(ids, params, self.max_model_len)
         intake.check_fits(ids, params, self.max_model_len, self.block_size, self.pool.num_blocks)
         intake.check_stop_ids(params, self.vocab_size)
         with self._lock:

@@ -3,6 +3,8 @@ model and the pool can hold, a beam width the vocabulary allows. Each failure is
 line that says what to change, raised before anything is queued."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..core.sampling_params import BeamSearchParams, SamplingParams
 from ..decoding.beam_search import BeamSearch
 
@@ -32,12 +34,27 @@ def check_stop_ids(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"stop_token_ids {bad} are not in the vocabulary (ids 0 .. {vocab_size - 1})")
 
 
-def check_fits(ids: list[int], params: SamplingParams, max_model_len: int, block_size: int,
-               num_blocks: int) -> None:
-    """The prompt fits the model's context and one request fits the whole pool."""
+def within_context(ids: list[int], params: SamplingParams | BeamSearchParams,
+                   max_model_len: int) -> SamplingParams | BeamSearchParams:
+    """The prompt and its new tokens fit the model's context: `params` with `max_tokens=None`
+    resolved to what the context leaves (the request then ends with "length" at the limit); a
+    prompt, or a prompt + max_tokens, longer than the context is refused here, up front."""
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens but the model's context is "
                          f"{max_model_len}: shorten the prompt")
+    room = max_model_len - len(ids)
+    if params.max_tokens is None:
+        return dataclasses.replace(params, max_tokens=room)
+    if params.max_tokens > room:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                         f"model's context of {max_model_len}: lower max_tokens to {room} or less, or "
+                         f"pass max_tokens=None to stop at the context")
+    return params
+
+
+def check_fits(ids: list[int], params: SamplingParams, max_model_len: int, block_size: int,
+               num_blocks: int) -> None:
+    """The prompt fits the model's context (within_context first) and one request fits the pool."""
     need_tokens = min(len(ids) + params.max_tokens, max_model_len)
     need_blocks = -(-need_tokens // block_size)
     if need_blocks > num_blocks:
@@ -49,7 +66,8 @@ def check_fits(ids: list[int], params: SamplingParams, max_model_len: int, block
 
 def beam_state(ids: list[int], params: BeamSearchParams, eos_token_ids: set[int], max_model_len: int,
                vocab_size: int, block_size: int, num_blocks: int) -> BeamSearch:
-    """The selection state of a beam request, once its width and worst-case blocks fit."""
+    """The selection state of a beam request, once its length, width and worst-case blocks fit."""
+    within_context(ids, params, max_model_len)
     beam = BeamSearch(params, len(ids), eos_token_ids, max_model_len)
     if beam.num_candidates > vocab_size:
         raise ValueError(f"beam_width {params.beam_width} keeps {beam.num_candidates} candidates per "

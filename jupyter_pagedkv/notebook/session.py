@@ -33,28 +33,19 @@ def release_freed_memory() -> None:
         pass
 
 
-def preflight(model: str | None, device: str, dtype: str) -> None:
+def preflight(model: str | None, device: str, dtype: str, revision: str | None = None,
+              trust_remote_code: bool = False) -> None:
     """Catch a mistyped model, device or dtype before the current engine is unloaded for it.
 
-    Raises ValueError with the loader's wording; the full checks still happen while loading."""
-    from pathlib import Path
-
-    from ..worker.loader import ModelNotFoundError, embedded_gguf
+    A hub id is fetched here (downloaded on first use, with the hub's progress bars), so a wrong
+    id, a gated repo or a missing network leaves the loaded engine in place. Raises ValueError
+    with the loader's wording; the full checks still happen while loading."""
+    from ..worker.loader import embedded_gguf, locate
 
     if model is None:
         embedded_gguf()
     else:
-        path = Path(os.path.expanduser(model))
-        if path.exists():
-            if not (path / "config.json").is_file():
-                raise ModelNotFoundError(f"{path} has no config.json: pass a Hugging Face model folder")
-        elif model.count("/") <= 1 and not model.startswith((".", "/", "~")):
-            from huggingface_hub import try_to_load_from_cache
-            if not isinstance(try_to_load_from_cache(model, "config.json"), str):
-                raise ModelNotFoundError(f"{model!r} is not a local folder and not in the local "
-                                         f"Hugging Face cache (no hub access at run time)")
-        else:
-            raise ModelNotFoundError(f"no model folder at {model}: check the path")
+        locate(model, revision, trust_remote_code)
     import torch
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device here; use --device cpu or auto")
@@ -151,7 +142,8 @@ class KernelSession:
 
     def load(self, model: str | None, progress: bool = True, **engine_kwargs: Any) -> EngineClient:
         """Replace the engine: unload the old one first (its memory back), then load and start."""
-        preflight(model, engine_kwargs.get("device", "auto"), engine_kwargs.get("dtype", "auto"))
+        preflight(model, engine_kwargs.get("device", "auto"), engine_kwargs.get("dtype", "auto"),
+                  engine_kwargs.get("revision"), engine_kwargs.get("trust_remote_code", False))
         self.disconnect()
         if self.engine is not None:
             self.unload()

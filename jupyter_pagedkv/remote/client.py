@@ -222,6 +222,8 @@ class RemoteEngine(RemoteInspection, GenerationFront):
                                 "temperature": params.temperature, "top_p": params.top_p,
                                 "n": params.n, "stream": True,
                                 "stream_options": {"include_usage": True}}
+        if params.max_tokens is None:
+            del body["max_tokens"]      # the server's default: up to the model's context
         if isinstance(prompt, ChatPrompt):
             body["messages"] = list(prompt.messages)
         elif isinstance(prompt, str):

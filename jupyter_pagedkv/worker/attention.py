@@ -70,10 +70,32 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask=None,
+           is_causal: bool = False, enable_gqa: bool = False, softcap: float | None = None) -> torch.Tensor:
+    """SDPA, or, with logit soft-capping (Gemma 2, Cohere 2...), the same sums written out in
+    transformers' eager order: scores * scale, softcap * tanh(scores / softcap), mask, float32
+    softmax, weights @ V. `attn_mask` is boolean (True = visible) or additive."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        n, ctx = scores.shape[-2:]
+        attn_mask = _causal_mask(ctx - n, n, ctx).to(q.device)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: PagedMetadata, scale: float, sliding_window: int | None = None,
                           new_k: torch.Tensor | None = None,
-                          new_v: torch.Tensor | None = None) -> torch.Tensor:
+                          new_v: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention for `query [num_tokens, heads, head_dim]` over the paged cache of one layer.
 
     `new_k`/`new_v` (this step's keys and values, `[num_tokens, kv_heads, head_dim]`) let a
@@ -101,7 +123,7 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         # GQA folded: the query heads sharing a KV head become that head's query rows, so each
         # KV head is read once and no `enable_gqa` broadcast is needed (same sums, same order).
         q = query[:nd].view(nd, kvh, heads // kvh, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(query.dtype), scale=scale)
+        o = attend(q, k, v, scale, attn_mask=bias.to(query.dtype), softcap=softcap)
         out[:nd] = o.reshape(nd, heads, d)
     for chunk in meta.prefills:
         s, n = chunk.q_start, chunk.q_len
@@ -113,9 +135,8 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             else:
                 k = k_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
                 v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
-            o = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0),
-                                               v.transpose(0, 1).unsqueeze(0),
-                                               is_causal=True, scale=scale, enable_gqa=gqa)
+            o = attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
+                       is_causal=True, enable_gqa=gqa, softcap=softcap)
         else:
             ctx = chunk.ctx_len
             k = k_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
@@ -124,7 +145,7 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             if sliding_window is not None:
                 qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
                 mask = mask & (torch.arange(ctx, device=query.device).view(1, -1) > qpos - sliding_window)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = attend(q, k, v, scale, attn_mask=mask, enable_gqa=gqa, softcap=softcap)
         out[s:s + n] = o[0].transpose(0, 1)
     return out
 
@@ -146,20 +167,21 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if meta is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported by paged attention")
+    softcap = kwargs.get("softcap")
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     q = query[0].transpose(0, 1)                    # [T, heads, d]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if meta.backend == "triton":
+        if softcap is not None:   # Engine refuses this pairing at build time; a guard for direct use
+            raise NotImplementedError("the Triton kernels do not soft-cap attention logits: use the torch backend")
         from .kernels_bridge import paged_attention_triton, write_kv_triton
         write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
     else:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v)
+        out = paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v, softcap)
     return out.unsqueeze(0), None
 
 

@@ -1,4 +1,5 @@
-"""Model loading: the embedded SmolLM2 (GGUF, converted once and cached), a local folder or an HF id."""
+"""Model loading: the embedded SmolLM2 (GGUF, converted once and cached), a `.gguf` file, a local
+folder or a hub id (worker/hub.py downloads it)."""
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,7 @@ class LoadedModel:
     model: object
     tokenizer: object | None
     name: str
-    source: str          # "cache", "gguf", "folder" or "hub-cache"
+    source: str          # "cache" (the embedded model), "gguf", "folder" or "hub"
 
 
 def cache_root() -> Path:
@@ -80,43 +81,74 @@ def embedded_model_dir() -> Path:
     return target
 
 
-def load_model(model: str | os.PathLike | None, dtype, device) -> LoadedModel:
-    """Load weights and tokenizer; any failure to find them is one ModelNotFoundError line."""
+def locate(model: str | os.PathLike | None, revision: str | None = None,
+           trust_remote_code: bool = False) -> tuple[Path, str | None, str]:
+    """(folder, gguf file name or None, source) for what the user named: nothing (the embedded
+    model), a `.gguf` file, a model folder, or a hub id (downloaded on first use)."""
+    if model is None:
+        return embedded_model_dir(), None, "cache"
+    name = str(model)
+    path = Path(os.path.expanduser(name))
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"no GGUF file at {name}: check the path")
+        return path.parent, path.name, "gguf"
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{path} has no config.json: pass a Hugging Face model folder, a .gguf file, a hub "
+                f"id, or nothing for the embedded {EMBEDDED_NAME}")
+        return path, None, "folder"
+    if name.count("/") > 1 or name.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"no model folder at {name}: check the path")
+    from .hub import HubError, fetch
+    try:
+        return fetch(name, revision, trust_remote_code), None, "hub"
+    except HubError as err:
+        raise ModelNotFoundError(str(err)) from err
+
+
+def load_model(model: str | os.PathLike | None, dtype, device, revision: str | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Weights and tokenizer, loaded straight onto `device` in `dtype` (accelerate's device_map:
+    no full host copy first, so a model that fits the GPU need not fit the host twice). Any
+    failure to find or read them is one ModelNotFoundError line."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if model is None:
-        path, name = embedded_model_dir(), EMBEDDED_NAME
-        source = "cache"
-    else:
-        name = str(model)
-        path = Path(os.path.expanduser(name))
-        if path.exists():
-            if not (path / "config.json").is_file():
-                raise ModelNotFoundError(
-                    f"{path} has no config.json: pass a Hugging Face model folder, or nothing for "
-                    f"the embedded {EMBEDDED_NAME}")
-            source = "folder"
-        elif name.count("/") <= 1 and not name.startswith((".", "/", "~")):
-            source = "hub-cache"
-            path = name
-        else:
-            raise ModelNotFoundError(f"no model folder at {name}: check the path")
-    # No hub at run time: ids resolve from the local Hugging Face cache unless downloads are allowed.
-    local_only = os.environ.get("JUPYTER_PAGEDKV_ALLOW_DOWNLOAD") != "1"
+    folder, gguf, source = locate(model, revision, trust_remote_code)
+    name = EMBEDDED_NAME if model is None else str(model)
+    where = dict(gguf_file=gguf) if gguf else {}
+    dev = torch.device(device)
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                        local_files_only=local_only).to(device)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, device_map={"": str(dev) if dev.type != "cuda" else dev.index or 0},
+            trust_remote_code=trust_remote_code, local_files_only=True, **where)
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise ModelNotFoundError(f"{name} runs its own Python code: load it with "
+                                     f"trust_remote_code=True (--trust-remote-code) only if you trust it") from err
+        if "does not recognize this architecture" in str(err) or "Unrecognized configuration" in str(err):
+            raise ModelNotFoundError(f"{name}: this transformers version does not know its architecture "
+                                     f"({_model_type(folder)}): upgrade transformers") from err
+        raise
     except OSError as err:
-        raise ModelNotFoundError(
-            f"cannot load model {name!r}: not a local folder and not in the local Hugging Face cache "
-            f"(no hub access at run time); pass a local folder, or nothing for the embedded "
-            f"{EMBEDDED_NAME}") from err
+        raise ModelNotFoundError(f"cannot read the weights of {name} in {folder}: {str(err).splitlines()[0]}") from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code,
+                                                  local_files_only=True, **where)
     except (OSError, ValueError):
         tokenizer = None
     hf_model.eval()
-    return LoadedModel(hf_model, tokenizer, name if model is not None else EMBEDDED_NAME, source)
+    return LoadedModel(hf_model, tokenizer, name, source)
+
+
+def _model_type(folder: Path) -> str:
+    import json
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type", "no model_type")
+    except (OSError, ValueError):
+        return "unreadable config.json"
 
 
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto"):

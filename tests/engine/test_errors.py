@@ -70,8 +70,8 @@ def test_a_failed_batch_submission_leaves_nothing_queued(engine):
 
 
 def test_unknown_model_is_one_line(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="not a local folder"):
-        Engine.from_pretrained("no-such-org/no-such-model")
+    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
+        Engine.from_pretrained("no-such-org/no-such-model")      # tests run with HF_HUB_OFFLINE=1
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         Engine.from_pretrained(str(tmp_path))
     with pytest.raises(ModelNotFoundError, match="no model folder"):
