@@ -48,8 +48,9 @@ class EngineConfig:
     """How an engine is built. Defaults are what `%pagedkv load` with no option gives."""
 
     device: str = option("auto", "cpu, cuda, cuda:1 ... (auto: CUDA when available)", loading=True)
-    dtype: str = option("auto", "float32, bfloat16, float16 (auto: bf16 on CUDA, fp32 on a CPU)",
-                        loading=True)
+    dtype: str = option("auto", "float32, bfloat16, float16 (auto: the checkpoint's dtype on a GPU, bf16 "
+                                "for fp32 weights; on a CPU bf16 where it computes bf16 natively, AMX or "
+                                "AVX-512 BF16, else fp32)", loading=True)
     revision: str | None = option(None, "hub revision: a branch, tag or commit (default: main)",
                                   metavar="REV", loading=True)
     trust_remote_code: bool = option(False, "run the model repo's own Python code (only for repos "

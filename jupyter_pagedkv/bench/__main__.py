@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,monitor,kernels,gpu,soak,architectures} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,monitor,kernels,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -29,6 +29,8 @@ def main(argv: list[str]) -> int:
         from .soak import main as run
     elif name == "architectures":
         from .architectures import main as run
+    elif name == "dtypes":
+        from .dtypes import main as run
     elif name == "gpu":
         from .gpu import main as run
     elif name == "kernels":

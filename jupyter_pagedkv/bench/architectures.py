@@ -77,7 +77,7 @@ def oracle(model, prompt: list[int], new_tokens: int) -> list[int]:
         return out[0, len(prompt):].tolist()
 
 
-def run_case(model_type: str, device: str = "cpu", seed: int = 0) -> Outcome:
+def run_case(model_type: str, device: str = "cpu", seed: int = 0, backend: str = "auto") -> Outcome:
     """Build, serve and compare one architecture (see the module docstring for the outcomes)."""
     import transformers as tf
 
@@ -106,9 +106,10 @@ def run_case(model_type: str, device: str = "cpu", seed: int = 0) -> Outcome:
         logger.debug("%s: tiny model not built", model_type, exc_info=True)
         return done("not built", f"{type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''}")
     try:
-        engine = Engine(model, None, block_size=4, kv_cache_memory="16MiB", max_num_batched_tokens=24)
+        engine = Engine(model, None, block_size=4, kv_cache_memory="16MiB", max_num_batched_tokens=24,
+                        attention_backend=backend)
     except UnsupportedModelError as err:
-        return done("refused", str(err).split(": ", 1)[-1])
+        return done("refused", str(err))
     try:
         vocab = model.config.get_text_config().vocab_size
         prompts = random_prompts(2, vocab, seed=seed + 1, lo=PROMPT_LEN, hi=PROMPT_LEN + 1)
@@ -150,3 +151,34 @@ def main(argv: list[str] | None = None) -> int:
         wrong += o.status == "WRONG"
         print(f"| {o.model_type} | {o.status} | {o.detail} |", flush=True)
     return 1 if wrong else 0
+
+
+# The GPU check's part (`python -m jupyter_pagedkv.bench gpu`): the README's exact architectures on
+# the device with the Triton kernels (in the CPU rehearsal, in Triton's interpreter), where
+# soft-capped models are refused.
+GPU_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
+             "gpt_neox", "starcoder2", "cohere", "cohere2", "mixtral", "qwen2_moe")
+SMOKE_TYPES = ("llama", "gemma2", "qwen3")
+
+
+def gpu_part(report, smoke: bool) -> None:
+    from .gpu_report import device
+
+    dev = device()
+    types = SMOKE_TYPES if smoke else GPU_TYPES
+    report.line(f"tiny random models on {dev}, Triton attention; {PROMPT_LEN}-token prompts "
+                f"(5 sliding windows), {NEW_TOKENS} new tokens, against transformers generate on the device")
+    report.line("")
+    report.line("| architecture | outcome | detail | s |\n|---|---|---|---:|")
+    rows = []
+    for model_type in types:
+        o = run_case(model_type, str(dev), backend="triton")
+        rows.append({"type": o.model_type, "status": o.status, "detail": o.detail, "seconds": round(o.seconds, 1)})
+        report.put("rows", rows)
+        report.line(f"| {o.model_type} | {o.status} | {o.detail} | {o.seconds:.1f} |")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    report.finish(bool(rows) and not any(r["status"] == "WRONG" for r in rows))
+
+
+PARTS = {"architectures": gpu_part}

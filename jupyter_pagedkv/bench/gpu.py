@@ -41,6 +41,7 @@ PARTS = (
     Part("graphs", "Decode steps as CUDA graphs: replay vs eager, speed-up, host share", 70, 300),
     Part("throughput_small", "End to end, SmolLM2-135M shape: ours vs transformers", 70, 300),
     Part("throughput_large", "End to end, Llama-3-8B shape: ours vs transformers", 150, 300),
+    Part("architectures", "The architecture matrix's exact models on the device (Triton backend)", 40, 240),
 )
 
 

@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    from . import gpu_graphs, gpu_throughput
-    parts = {**PARTS, **gpu_graphs.PARTS, **gpu_throughput.PARTS}
+    from . import architectures, gpu_graphs, gpu_throughput
+    parts = {**PARTS, **gpu_graphs.PARTS, **gpu_throughput.PARTS, **architectures.PARTS}
     if args.part not in parts:
         print(f"unknown part {args.part!r}: one of {sorted(parts)}", file=sys.stderr)
         return 2

@@ -133,6 +133,7 @@ class Agreement:
     identical: bool
     index: int | None = None
     gap: float | None = None
+    top: float | None = None          # the oracle's top logit there (a bf16 tie is relative to it)
 
     def near_tie(self, threshold: float) -> bool:
         return self.identical or (self.gap is not None and self.gap < threshold)
@@ -152,7 +153,7 @@ def compare_with_oracle(model, prompt: list[int], ours: list[int], ref: list[int
     with attention(model, "sdpa"):
         logits = model(torch.tensor([prompt + ref[:i]], device=device)).logits[0, -1].float()
     top2 = logits.topk(2).values
-    return Agreement(False, i, float(top2[0] - top2[1]))
+    return Agreement(False, i, float(top2[0] - top2[1]), float(top2[0]))
 
 
 def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 60) -> list[list[int]]:

@@ -58,6 +58,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         self.device = next(model.parameters()).device
+        self.dtype_reason = "the model's own dtype"      # from_pretrained says how it chose
         self.dtype = next(model.parameters()).dtype
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", None) or 4096
@@ -114,10 +115,12 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         """Load a model (None: the embedded SmolLM2-135M-Instruct) and build an engine around it."""
         from ..worker.loader import load_model, resolve_device_dtype
         config = (config or EngineConfig()).replace(device=device, dtype=dtype, **options)
-        dev, torch_dtype = resolve_device_dtype(config.device, config.dtype)
-        loaded = load_model(model, torch_dtype, dev, revision=config.revision,
+        dev, choice = resolve_device_dtype(config.device, config.dtype)
+        loaded = load_model(model, choice.dtype, dev, revision=config.revision,
                             trust_remote_code=config.trust_remote_code)
-        return cls(loaded.model, loaded.tokenizer, config, name=loaded.name)
+        engine = cls(loaded.model, loaded.tokenizer, config, name=loaded.name)
+        engine.dtype_reason = choice.reason
+        return engine
 
     @staticmethod
     def connect(url: str, api_key: str | None = None, model: str | None = None, **kwargs):

@@ -67,7 +67,7 @@ class EngineInspection:
         with self._lock:
             return ([row(r, r.seqs[0].status.value) for r in self._requests.values()]
                     + [row(r, "failed" if r.error is not None else "done")
-                       for r in list(self.finished_requests)[-finished:]])
+                       for r in (list(self.finished_requests)[-finished:] if finished > 0 else [])])
 
     def info(self) -> EngineInfo:
         dtype = str(self.dtype).replace("torch.", "")
@@ -76,7 +76,9 @@ class EngineInspection:
         summary = (f"{self.name} on {self.device.type} ({dtype}): {n:,} blocks × {bs} = {n * bs:,} tokens "
                    f"of KV, {kv.bytes_per_block:,} bytes per block, {format_bytes(kv.nbytes)} KV memory, "
                    f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
-                   + (f", GEMMs on packed weights (+{format_bytes(packed.nbytes)})" if packed.layers else ""))
+                   + (f", GEMMs on packed weights (+{format_bytes(packed.nbytes)})" if packed.layers else "")
+                   + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
+                      if self.dtype_reason.startswith("auto: ") else ""))
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,
                           prefix_caching=self.pool.enable_prefix_caching, max_model_len=self.max_model_len,
                           swap_blocks=self.swap.num_slots if self.swap is not None else 0)

@@ -153,7 +153,7 @@ class RemoteInspection:
         with self._lock:
             return ([row(r, "running") for r in self._requests.values()]
                     + [row(r, "failed" if r.error is not None else "done")
-                       for r in list(self.finished_requests)[-finished:]])
+                       for r in (list(self.finished_requests)[-finished:] if finished > 0 else [])])
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """A server sends no step events: monitors poll (`info().polled`)."""

@@ -110,7 +110,8 @@ def locate(model: str | os.PathLike | None, revision: str | None = None,
 
 def load_model(model: str | os.PathLike | None, dtype, device, revision: str | None = None,
                trust_remote_code: bool = False) -> LoadedModel:
-    """Weights and tokenizer, loaded straight onto `device` in `dtype` (accelerate's device_map:
+    """Weights and tokenizer, loaded straight onto `device` in `dtype` (None: the checkpoint's own,
+    bf16 for fp32 weights; see choose_dtype), with accelerate's device_map:
     no full host copy first, so a model that fits the GPU need not fit the host twice). Any
     failure to find or read them is one ModelNotFoundError line."""
     import torch
@@ -118,6 +119,8 @@ def load_model(model: str | os.PathLike | None, dtype, device, revision: str | N
 
     folder, gguf, source = locate(model, revision, trust_remote_code)
     name = EMBEDDED_NAME if model is None else str(model)
+    if dtype is None:
+        dtype = checkpoint_dtype(folder)
     where = dict(gguf_file=gguf) if gguf else {}
     dev = torch.device(device)
     try:
@@ -151,16 +154,63 @@ def _model_type(folder: Path) -> str:
         return "unreadable config.json"
 
 
+def native_bf16() -> str | None:
+    """The CPU feature that computes bf16 natively (AMX or AVX-512 BF16), or None."""
+    import torch
+    probes = (("AMX", "_is_amx_tile_supported"), ("AVX-512 BF16", "_is_avx512_bf16_supported"))
+    for name, probe in probes:
+        check = getattr(torch.cpu, probe, None)
+        if check is not None and check():
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype to load in (None: the checkpoint's own) and why, for `%pagedkv status`."""
+
+    dtype: object
+    reason: str
+
+
+def choose_dtype(device, dtype: str = "auto") -> DtypeChoice:
+    """dtype="auto": on a GPU the checkpoint's own dtype (bf16 for an fp32 checkpoint, as vLLM
+    does); on a CPU bf16 where the CPU computes it natively (AMX, AVX-512 BF16: measured faster
+    there, docs/benchmarks.md), else fp32 (bf16 would be emulated). Anything else is that dtype."""
+    import torch
+
+    if dtype != "auto":
+        torch_dtype = getattr(torch, str(dtype).replace("torch.", ""), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+        return DtypeChoice(torch_dtype, "asked for")
+    if torch.device(device).type == "cuda":
+        return DtypeChoice(None, "auto: the checkpoint's own dtype on a GPU (bf16 for fp32 weights)")
+    feature = native_bf16()
+    if feature:
+        return DtypeChoice(torch.bfloat16, f"auto: this CPU computes bf16 natively ({feature})")
+    return DtypeChoice(torch.float32, "auto: this CPU has no native bf16 (no AMX or AVX-512 BF16), "
+                                      "where bf16 would be emulated and slower")
+
+
+def checkpoint_dtype(folder: Path):
+    """The dtype a checkpoint's config.json records (bf16 in place of fp32 or none recorded)."""
+    import json
+
+    import torch
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return torch.bfloat16
+    name = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    found = getattr(torch, str(name), None) if name else None
+    return found if isinstance(found, torch.dtype) and found != torch.float32 else torch.bfloat16
+
+
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto"):
-    """("auto" | "cpu" | "cuda:1" ..., "auto" | "bfloat16" ...) -> (torch.device, torch.dtype):
-    auto is CUDA in bf16 when a GPU is there, else the CPU in fp32."""
+    """("auto" | "cpu" | "cuda:1" ..., "auto" | "bfloat16" ...) -> (torch.device, DtypeChoice)."""
     import torch
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                        else ("cpu" if device == "auto" else device))
-    if dtype == "auto":
-        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    torch_dtype = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    return dev, torch_dtype
+    return dev, choose_dtype(dev, dtype)

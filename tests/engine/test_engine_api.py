@@ -132,3 +132,11 @@ def test_preemption_takes_the_lowest_priority_first(make_engine):
         engine.step()
     seqs = {r.request_id: r.seqs[0] for r in engine.finished_requests}
     assert seqs[background].num_preemptions > 0 and seqs[urgent].num_preemptions == 0
+
+
+def test_request_rows_keep_as_many_finished_rows_as_asked(make_engine):
+    engine = make_engine(MODEL, block_size=4)
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert engine.request_rows(finished=0) == []          # not "all of them" ([-0:] is the whole list)
+    assert [r.state for r in engine.request_rows(finished=1)] == ["done"]
+    assert len(engine.request_rows()) == 2

@@ -32,7 +32,7 @@ def ip():
 
     shell = start_ipython() or get_ipython()   # None once another module started it
     shell.run_line_magic("load_ext", "jupyter_pagedkv")
-    shell.run_line_magic("pagedkv", "load --kv-cache-memory 128MiB")
+    shell.run_line_magic("pagedkv", "load --kv-cache-memory 128MiB --dtype float32")
     yield shell
     if current().engine is not None:
         current().unload()
@@ -433,7 +433,7 @@ def test_pagedkv_plan_bad_input_is_one_line(ip):
 def test_loading_again_replaces_the_engine_cleanly(ip, capsys):
     run(ip, "%%chat keep --max-tokens 4\nHello.")
     old = current().engine
-    run(ip, "%pagedkv load --kv-cache-memory 64MiB --block-size 8")
+    run(ip, "%pagedkv load --kv-cache-memory 64MiB --block-size 8 --dtype float32")
     new = current().engine
     assert new is not old and not old.is_running and old.model is None   # shut down, weights dropped
     assert new.block_size == 8 and new.is_running
@@ -447,7 +447,7 @@ def test_unload_gives_the_memory_back(ip, capsys):
     their memory is free (what the process's RSS then does is up to the allocator, not a test)."""
     import weakref
 
-    run(ip, "%pagedkv load --kv-cache-memory 128MiB")
+    run(ip, "%pagedkv load --kv-cache-memory 128MiB --dtype float32")
     run(ip, f"{GEN}\nHello.")
     engine = current().engine
     refs = [weakref.ref(x) for x in (engine, engine.model, engine.kv_cache.k, engine.kv_cache.v,

@@ -63,7 +63,7 @@ def kernel():
 
 
 def test_load_prints_one_summary_line(kernel):
-    cell = kernel.execute("%pagedkv load --kv-cache-memory 128MiB")
+    cell = kernel.execute("%pagedkv load --kv-cache-memory 128MiB --dtype float32")
     assert not errors(cell), errors(cell)
     assert re.search(r"loaded SmolLM2-135M-Instruct on cpu \(float32\): [\d,]+ blocks × 16 = [\d,]+ "
                      r"tokens of KV, 737,280 bytes per block", text_of(cell)), text_of(cell)

@@ -42,7 +42,7 @@ LONG_PROMPT = ("You are reading a long report about lighthouses: their history, 
                "saved. Summarise the report in two sentences.")
 CELLS = [
     "%load_ext jupyter_pagedkv",
-    "%pagedkv load --kv-cache-memory 96MiB",
+    "%pagedkv load --kv-cache-memory 96MiB --dtype float32",
     "%pagedkv monitor",
     "%%generate --max-tokens 40\n" + "\n---\n".join(PROMPTS),
     "%%generate --max-tokens 24 --n 3 --temperature 0.8 --seed 1\n" + LONG_PROMPT,

@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 CELLS = [
     "%load_ext jupyter_pagedkv",
-    "%pagedkv load --kv-cache-memory 96MiB",
+    "%pagedkv load --kv-cache-memory 96MiB --dtype float32",
     "%pagedkv monitor",
     "%%generate --max-tokens 40\n" + "\n---\n".join(PROMPTS),
 ]
