@@ -63,6 +63,40 @@ class BlockPoolMonitor(anywidget.AnyWidget):
             feed.unsubscribe(self._token)
         super().close()
 
+    def _repr_mimebundle_(self, **kwargs):
+        """The live view, plus a still image of the pool as it is now: a notebook shown where no
+        widget runs (GitHub, nbviewer, an export) gets a picture instead of the text repr."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        still = self.still_png()
+        if still is not None and isinstance(bundle, dict):
+            bundle["image/png"] = still
+        elif isinstance(bundle, tuple) and still is not None:
+            bundle[0]["image/png"] = still
+        return bundle
+
+    def still_png(self, max_blocks: int = 4096) -> str | None:
+        """The pool now as a base64 PNG (pool_figure), or None for a pool too big to draw block by
+        block (the live map groups blocks; a still image of 100,000 squares says nothing)."""
+        import base64
+        import io
+
+        engine = self._feed.engine if hasattr(self._feed, "engine") else None
+        if engine is None:
+            return None
+        snap = engine.pool_snapshot()
+        if len(snap["states"]) > max_blocks:
+            return None
+        from matplotlib.figure import Figure
+
+        from .pool_figure import pool_figure
+        columns = max(16, min(64, int(len(snap["states"]) ** 0.5 * 2)))
+        rows = -(-len(snap["states"]) // columns)
+        fig = Figure(figsize=(min(12, 0.2 * columns + 1), 0.2 * rows + 1.2))
+        pool_figure(snap, title=f"{self.title} (still, at display time)", columns=columns, ax=fig.add_subplot())
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+        return base64.b64encode(buf.getvalue()).decode()
+
     def __repr__(self) -> str:
         # Deterministic on purpose: nbval compares the text/plain of a widget output.
         return self._label

@@ -85,7 +85,7 @@ def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=
         if state == "shared":
             ax.add_patch(Polygon([(x + 0.05, y + 0.95), (x + 0.45, y + 0.95), (x + 0.05, y + 0.55)],
                                  closed=True, lw=0, facecolor=cues["MARK"], gid="shared-mark"))
-            ax.text(x + 0.58, y + 0.42, str(ref), ha="center", va="center", fontsize=6, color=cues["MARK"])
+            ax.text(x + 0.58, y + 0.42, str(ref), ha="center", va="center", fontsize=8, color=cues["MARK"])
     ax.set(xlim=(0, columns), ylim=(0, rows), aspect="equal", xticks=[], yticks=[])
     for side in ax.spines.values():
         side.set_visible(False)
@@ -101,6 +101,6 @@ def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=
             handles.append(Patch(color=colour, label=f"{s} {counts[s]}"))
     handler_map = {h: _MarkedSquare() for h, s in zip(handles, present) if s == "shared"}
     ax.legend(handles=handles, handler_map=handler_map, loc="upper center", bbox_to_anchor=(0.5, 0.0),
-              ncol=len(present), fontsize=7, frameon=False)
+              ncol=len(present), fontsize=8, frameon=False)
     ax.set_title(title or f"{len(states)} blocks x {snapshot['block_size']} tokens", fontsize=9)
     return ax.figure

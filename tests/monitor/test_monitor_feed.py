@@ -283,3 +283,31 @@ def test_a_periodic_full_scan_catches_states_the_pool_did_not_record(make_engine
     feed.publish()
     assert replica.states()[9] == "speculative"
     engine.abort(rid)
+
+
+def test_the_widget_also_leaves_a_still_image_for_pages_where_no_widget_runs(make_engine):
+    """GitHub, nbviewer and exports show the image/png of the bundle: the pool at display time."""
+    import base64
+    import io
+
+    pytest.importorskip("anywidget")
+    from matplotlib.image import imread
+
+    engine = make_engine(MODEL, block_size=4, num_blocks=64)
+    manual_feed(engine)
+    engine.add_request(PROMPT, GREEDY)
+    engine.step()
+    monitor = engine.monitor()
+    data = monitor._repr_mimebundle_()[0]
+    png = base64.b64decode(data["image/png"])
+    assert png.startswith(b"\x89PNG") and "application/vnd.jupyter.widget-view+json" in data
+    pixels = imread(io.BytesIO(png))[..., :3]
+    used = np.array([0, 158, 115]) / 255                       # blockmap.js's "used"
+    assert (np.abs(pixels - used).max(axis=-1) < 0.02).sum() > 50, "no used block in the still image"
+    monitor.close()
+    engine.abort(engine.live_requests()[0].request_id)
+    big = make_engine(MODEL, block_size=4, num_blocks=5000)
+    manual_feed(big)
+    wide = big.monitor()
+    assert wide.still_png() is None and "image/png" not in wide._repr_mimebundle_()[0]
+    wide.close()

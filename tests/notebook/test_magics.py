@@ -267,7 +267,10 @@ def test_beams_show_every_hypothesis_best_first(ip, capsys):
 
 
 def test_a_prompt_too_long_for_the_pool_is_a_usage_error(ip):
+    # 6,000 new tokens fit the model's context (8,192) but not the 128 MiB pool (2,912 tokens).
     with pytest.raises(UsageError, match="lower max_tokens or load with more"):
+        run(ip, "%%generate --max-tokens 6000\nhello")
+    with pytest.raises(UsageError, match="exceeds the model's context of 8192: lower max_tokens to 81"):
         run(ip, "%%generate --max-tokens 100000\nhello")
 
 
