@@ -84,6 +84,7 @@ class MarkdownRenderer:
         self.min_interval = min_interval
         self._handle = None
         self._outs = None
+        self._box = None
         if columns is None:
             try:
                 import ipywidgets  # noqa: F401
@@ -111,8 +112,42 @@ class MarkdownRenderer:
             # Columns share the width and wrap onto a new row rather than run off the cell's edge.
             self._outs = [w.Output(layout=w.Layout(flex="1 1 0", min_width="11em", margin="0 1.5em 0 0"))
                           for _ in panels]
-            self._display(w.HBox(self._outs, layout=w.Layout(align_items="flex-start", flex_flow="row wrap")))
+            self._box = AnswerColumns(self._outs, layout=w.Layout(align_items="flex-start", flex_flow="row wrap"))
+            self._handle = self._display(self._box, display_id=True)
         for out, panel in zip(self._outs, panels):
             out.outputs = ({"output_type": "display_data", "metadata": {},
                             "data": {"text/markdown": panel_markdown(panel, heading=True),
                                      "text/plain": _plain([panel])}},)
+        self._box.panels = list(panels)
+        if all(p.finished for p in panels) and self._handle is not None:
+            self._handle.update(self._box)     # the saved output's fallback: the final answers
+
+
+def _answer_columns():
+    import ipywidgets as w
+
+    class AnswerColumns(w.HBox):
+        """The side-by-side Output columns, whose display also carries every answer as Markdown and
+        plain text: what a page without widgets (GitHub, an export) shows instead of a repr."""
+
+        panels: list = []
+
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            data = bundle[0] if isinstance(bundle, tuple) else bundle
+            if self.panels:
+                data.update(markdown_bundle(self.panels))
+            return bundle
+
+    return AnswerColumns
+
+
+def AnswerColumns(children, **kwargs):
+    """An `AnswerColumns` widget (the class is built on first use: ipywidgets is optional)."""
+    global _ANSWER_COLUMNS
+    if _ANSWER_COLUMNS is None:
+        _ANSWER_COLUMNS = _answer_columns()
+    return _ANSWER_COLUMNS(children, **kwargs)
+
+
+_ANSWER_COLUMNS = None

@@ -147,24 +147,20 @@ class KernelSession:
         self.disconnect()
         if self.engine is not None:
             self.unload()
-        from tqdm.auto import tqdm
+        from .progress import Stages
 
         t0 = time.perf_counter()
-        bar = tqdm(total=3, desc="importing torch + transformers", disable=not progress,
-                   bar_format="{desc}{n}/{total} |{bar}| {elapsed}")
+        bar = Stages(3, "importing torch + transformers", enabled=progress)
         try:
             import torch  # noqa: F401  (the slow imports, shown as their own stage)
             import transformers  # noqa: F401
             if not self.rss_before_load:
                 self.rss_before_load = rss_bytes()   # the level `unload` should return to
-            bar.update()
-            bar.set_description(f"loading {model or 'SmolLM2-135M-Instruct'} + allocating the KV cache")
+            bar.next(f"loading {model or 'SmolLM2-135M-Instruct'} + allocating the KV cache")
             from ..engine.engine import Engine
             engine = Engine.from_pretrained(model, **engine_kwargs)
-            bar.update()
-            bar.set_description("starting the engine thread")
+            bar.next("starting the engine thread")
             engine.start()
-            bar.update()
         finally:
             bar.close()
         self.engine = engine

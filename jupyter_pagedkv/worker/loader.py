@@ -7,6 +7,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,9 +125,10 @@ def load_model(model: str | os.PathLike | None, dtype, device, revision: str | N
     where = dict(gguf_file=gguf) if gguf else {}
     dev = torch.device(device)
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, device_map={"": str(dev) if dev.type != "cuda" else dev.index or 0},
-            trust_remote_code=trust_remote_code, local_files_only=True, **where)
+        with _quiet_loading(source == "cache"):
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, device_map={"": str(dev) if dev.type != "cuda" else dev.index or 0},
+                trust_remote_code=trust_remote_code, local_files_only=True, **where)
     except ValueError as err:
         if "trust_remote_code" in str(err):
             raise ModelNotFoundError(f"{name} runs its own Python code: load it with "
@@ -144,6 +146,23 @@ def load_model(model: str | os.PathLike | None, dtype, device, revision: str | N
         tokenizer = None
     hf_model.eval()
     return LoadedModel(hf_model, tokenizer, name, source)
+
+
+@contextmanager
+def _quiet_loading(quiet: bool):
+    """Without transformers' "Loading weights" bar: the embedded model reads in about a second,
+    and a notebook saved with that bar shows it frozen at 0% wherever widgets do not run. A
+    user's own (large) checkpoint keeps its bar."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if quiet and was:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was:
+            hf_logging.enable_progress_bar()
 
 
 def _model_type(folder: Path) -> str:

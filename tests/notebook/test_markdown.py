@@ -113,7 +113,7 @@ class Handle:
     def __init__(self, calls) -> None:
         self.calls = calls
 
-    def update(self, data, raw):
+    def update(self, data, raw=False):
         self.calls.append(("update", data))
 
 
@@ -181,13 +181,25 @@ def test_a_stream_that_pauses_shows_its_latest_text_before_it_resumes():
 
 def test_several_prompts_stream_into_side_by_side_output_columns():
     import ipywidgets as w
-    shown = []
-    r = MarkdownRenderer(shown.append, min_interval=0.0, columns=True)
+    shown, calls = [], []
+
+    def display(obj, display_id):
+        shown.append(obj)
+        return Handle(calls)
+
+    r = MarkdownRenderer(display, min_interval=0.0, columns=True)
     a, b = Panel("r1", "[1] a", "- one"), Panel("r2", "[2] b", "```\nx")
     r.update([a, b], final=False)
+    assert calls == []
     a.output, b.output = output("- one"), output("```\nx")
     r.update([a, b], final=True)
     assert len(shown) == 1 and isinstance(shown[0], w.HBox)        # displayed once, then updated
     left, right = (c.outputs[0]["data"]["text/markdown"] for c in shown[0].children)
     assert MD.render(left).count("<li>") == 1
     assert MD.render(right).count("<pre>") == 1 and "<em>[3 tokens" in MD.render(right)
+    # Once every answer is in, the display is refreshed so a page without widgets shows them too.
+    assert [c[0] for c in calls] == ["update"]
+    bundle = shown[0]._repr_mimebundle_()
+    data = bundle[0] if isinstance(bundle, tuple) else bundle
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert MD.render(data["text/markdown"]).count("<li>") == 1 and data["text/plain"].count("tokens generated") == 2
