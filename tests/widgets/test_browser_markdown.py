@@ -18,11 +18,10 @@ import json
 import threading
 import time
 import urllib.request
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from test_browser_monitor import ARTIFACTS, CHROMIUM, LAUNCH_ARGS, lab, run_cell, wait_done  # noqa: F401
+from test_browser_monitor import ARTIFACTS, lab, lab_page, run_cell, wait_done  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -128,7 +127,6 @@ def put_notebook(lab: str, name: str, nb) -> None:
 @pytest.fixture(scope="module")
 def page(lab, server):
     import nbformat
-    from playwright.sync_api import sync_playwright
 
     _, url = server
     cells = ["%load_ext jupyter_pagedkv", f"%pagedkv connect {url} --model m",
@@ -136,18 +134,10 @@ def page(lab, server):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     put_notebook(lab, "markdown.ipynb", nb)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        pg = browser.new_page(viewport={"width": 1200, "height": 1000})
-        pg.set_default_timeout(60_000)
-        pg.goto(f"{lab}/lab/workspaces/{uuid.uuid4().hex}/tree/markdown.ipynb?reset")
-        pg.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-        pg.locator("#jp-main-statusbar").get_by_text("Idle").wait_for(timeout=90_000)
+    with lab_page(lab, "markdown.ipynb", {"width": 1200, "height": 1000}) as pg:
         run_cell(pg, 0)
         run_cell(pg, 1, timeout=60)
         yield pg
-        browser.close()
 
 
 READ = """(selector) => {

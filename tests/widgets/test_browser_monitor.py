@@ -11,6 +11,7 @@ built by `pip install -e .`; otherwise the tests skip and say so. Never `playwri
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -95,19 +96,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    reason = _why_skip()
-    if reason:
-        pytest.skip(reason)   # no chromium / playwright here: the reason says how to enable them
+def write_notebook(path: Path, cells: list[str]) -> None:
     import nbformat
 
-    root = tmp_path_factory.mktemp("lab")
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, root / "monitor.ipynb")
-    home = tmp_path_factory.mktemp("jupyter-home")
-    # No "news / updates" toast: it can cover cells and its buttons race the tests.
+    nbformat.write(nb, path)
+
+
+@contextlib.contextmanager
+def jupyter_server(app: str, root: Path, home: Path, args: list[str], log_name: str, env: dict | None = None):
+    """`python -m <app>` (jupyterlab or notebook) serving `root` with no token and no news toast
+    (it can cover cells and its buttons race the tests); yields its URL once /api/status answers,
+    and keeps its log in ARTIFACTS/<log_name>."""
     notification = home / "settings" / "@jupyterlab" / "apputils-extension"
     notification.mkdir(parents=True)
     (notification / "notification.jupyterlab-settings").write_text(
@@ -116,15 +117,12 @@ def lab(tmp_path_factory):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
            "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
-           "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
+           "JUPYTER_RUNTIME_DIR": str(home / "runtime"), **(env or {})}
     log = open(root / "server.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ServerApp.token=",
+        [sys.executable, "-m", app, "--allow-root", "--no-browser", "--ServerApp.token=",
          "--ServerApp.password=", "--ServerApp.ip=127.0.0.1", f"--port={port}",
-         "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         # window.jupyterapp: the theme test switches themes with JupyterLab's own command.
-         "--LabApp.expose_app_in_browser=True"],
+         "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}", *args],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -135,34 +133,59 @@ def lab(tmp_path_factory):
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                pytest.fail(f"jupyter lab did not start: {(root / 'server.log').read_text()[-2000:]}")
+                pytest.fail(f"{app} did not start: {(root / 'server.log').read_text()[-2000:]}")
             time.sleep(0.5)
-    yield url
-    server.terminate()
     try:
-        server.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
-    if ARTIFACTS.exists():
-        shutil.copy(root / "server.log", ARTIFACTS / "server.log")
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+        if ARTIFACTS.exists():
+            shutil.copy(root / "server.log", ARTIFACTS / log_name)
 
 
 @pytest.fixture(scope="module")
-def page(lab):
+def lab(tmp_path_factory):
+    reason = _why_skip()
+    if reason:
+        pytest.skip(reason)   # no chromium / playwright here: the reason says how to enable them
+    root = tmp_path_factory.mktemp("lab")
+    write_notebook(root / "monitor.ipynb", CELLS)
+    args = ["--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            # window.jupyterapp: the theme test switches themes with JupyterLab's own command.
+            "--LabApp.expose_app_in_browser=True"]
+    with jupyter_server("jupyterlab", root, tmp_path_factory.mktemp("jupyter-home"), args, "server.log") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def lab_page(lab: str, notebook: str, viewport: dict):
+    """Chromium on JupyterLab's page of `notebook`, once its kernel is idle (JupyterLab drops an
+    execution sent too early)."""
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg = browser.new_page(viewport=viewport)
         pg.set_default_timeout(60_000)
-        pg.goto(f"{lab}/lab/workspaces/{uuid.uuid4().hex}/tree/monitor.ipynb?reset")
+        pg.goto(f"{lab}/lab/workspaces/{uuid.uuid4().hex}/tree/{notebook}?reset")
         pg.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-        # Run nothing before the kernel is up: JupyterLab drops an execution sent too early.
         pg.locator("#jp-main-statusbar").get_by_text("Idle").wait_for(timeout=90_000)
+        try:
+            yield pg
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(lab):
+    with lab_page(lab, "monitor.ipynb", {"width": 1400, "height": 1000}) as pg:
         yield pg
-        browser.close()
 
 
 def dismiss_news(page) -> None:

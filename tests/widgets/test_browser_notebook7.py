@@ -21,11 +21,6 @@ tests skip and say so. Never `playwright install`.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 from test_browser_monitor import (
@@ -37,12 +32,13 @@ from test_browser_monitor import (
     WIDGET_ROOT,
     _why_skip,
     cell_text,
-    free_port,
+    jupyter_server,
     reset_peaks,
     run_cell,
     wait_done,
     wait_for_peak,
     watch,
+    write_notebook,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -86,53 +82,15 @@ def notebook7(tmp_path_factory):
     reason = _why_skip_notebook7()
     if reason:
         pytest.skip(reason)   # no chromium / playwright / notebook here: the reason says what to install
-    import nbformat
-
     root = tmp_path_factory.mktemp("notebook7")
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, root / NOTEBOOK)
+    write_notebook(root / NOTEBOOK, CELLS)
     home = tmp_path_factory.mktemp("notebook7-home")
-    # Notebook 7 reads its settings where JupyterLab does: the same "no news toast" seed.
-    notification = home / "settings" / "@jupyterlab" / "apputils-extension"
-    notification.mkdir(parents=True)
-    (notification / "notification.jupyterlab-settings").write_text(
-        '{"fetchNews": "false", "checkForUpdates": false}')
     (home / "config").mkdir()
-    port = free_port()
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
-           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
-           "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-           # No user-level jupyter config from this machine (~/.jupyter); the venv's own config,
-           # which enables the server extensions, is still read.
-           "JUPYTER_CONFIG_DIR": str(home / "config")}
-    log = open(root / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "notebook", "--allow-root", "--no-browser", "--ServerApp.token=",
-         "--ServerApp.password=", "--ServerApp.ip=127.0.0.1", f"--port={port}",
-         "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status", timeout=2)
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"jupyter notebook did not start: {(root / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-    yield url
-    server.terminate()
-    try:
-        server.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
-    if ARTIFACTS.exists():
-        shutil.copy(root / "server.log", ARTIFACTS / "notebook7-server.log")
+    # Notebook 7 reads its settings where JupyterLab does (the same "no news toast" seed); no
+    # user-level jupyter config from this machine (~/.jupyter), the venv's own is still read.
+    with jupyter_server("notebook", root, home, [], "notebook7-server.log",
+                        env={"JUPYTER_CONFIG_DIR": str(home / "config")}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
