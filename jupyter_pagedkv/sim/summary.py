@@ -29,6 +29,25 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
+MIN_TAIL_SAMPLES = 20
+"""Below this many samples a 99th percentile is just the maximum (interpolated between the two
+largest), so figures call it what it is: "max"."""
+
+
+def tail_name(num_samples: int, q: float = 99) -> str:
+    """The honest name of the q-th percentile of `num_samples` values: "P99", or "max" when too few
+    samples stand behind it to call it a percentile."""
+    return f"P{q:g}" if num_samples >= MIN_TAIL_SAMPLES else "max"
+
+
+def tail(values, q: float = 99) -> float:
+    """The value `tail_name` names: the q-th percentile, or the maximum below MIN_TAIL_SAMPLES."""
+    values = list(values)
+    if not values:
+        return float("nan")
+    return percentile(values, q) if len(values) >= MIN_TAIL_SAMPLES else float(max(values))
+
+
 @dataclass
 class RunSummary:
     """One run. `kv_utilisation` = tokens stored / slots reserved, time-weighted over busy steps."""
@@ -60,10 +79,24 @@ class RunSummary:
     def latency(self, q: float) -> float:
         return percentile([r.latency for r in self.requests], q)
 
+    @property
+    def tail_name(self) -> str:
+        """"P99", or "max" for a run of fewer than MIN_TAIL_SAMPLES requests."""
+        return tail_name(len(self.requests))
+
+    def ttft_tail(self) -> float:
+        """TTFT at `tail_name`: P99, or the maximum of a small run."""
+        return tail(r.ttft for r in self.requests)
+
+    def latency_tail(self) -> float:
+        """End-to-end latency at `tail_name`: P99, or the maximum of a small run."""
+        return tail(r.latency for r in self.requests)
+
     def line(self) -> str:
+        t = self.tail_name.lower()
         return (f"{self.label:<28} util {self.kv_utilisation:6.1%}  max conc {self.max_concurrent:4d}  "
-                f"{self.throughput:8.1f} tok/s  TTFT p50 {self.ttft(50):7.2f}s p99 {self.ttft(99):7.2f}s  "
-                f"e2e p50 {self.latency(50):7.2f}s p99 {self.latency(99):7.2f}s  preempt {self.num_preemptions}")
+                f"{self.throughput:8.1f} tok/s  TTFT p50 {self.ttft(50):7.2f}s {t} {self.ttft_tail():7.2f}s  "
+                f"e2e p50 {self.latency(50):7.2f}s {t} {self.latency_tail():7.2f}s  preempt {self.num_preemptions}")
 
 
 class UtilisationMeter:

@@ -110,3 +110,16 @@ def test_a_request_larger_than_the_pool_is_one_clear_error():
     sim = Simulator(SimConfig(num_blocks=2, block_size=16), ModelCost.of("Llama-3-8B"), CostModel(0, 0, 0, 0))
     with pytest.raises(ValueError, match="lower its max_tokens or give more blocks"):
         sim.run(reqs)
+
+
+def test_small_runs_report_max_not_p99():
+    """A P99 over 12 samples is the maximum in disguise: the summary names it "max" and returns the
+    maximum; from 20 samples on it is the interpolated 99th percentile."""
+    from jupyter_pagedkv.sim.summary import RequestTiming, RunSummary, tail, tail_name
+
+    small = [float(v) for v in range(1, 13)]
+    assert tail_name(len(small)) == "max" and tail(small) == 12.0
+    big = [float(v) for v in range(1, 101)]
+    assert tail_name(len(big)) == "P99" and tail(big) == pytest.approx(99.01)
+    run = RunSummary("r", [RequestTiming(str(i), 0.0, 0.1 * i, float(i), 4) for i in range(1, 6)], 5.0, 0.5, 5)
+    assert run.tail_name == "max" and run.latency_tail() == 5.0 and " max " in run.line() and "p99" not in run.line()
