@@ -60,6 +60,25 @@ class _MarkedSquare:
         return square
 
 
+def _label_grid(ax, columns: int, rows: int, most: int = 12) -> None:
+    """Name the map's axes so a block can be found by id: each row by its first block id (left),
+    each column by its offset (top, above the squares; the legend sits below). At most `most`
+    labels per axis, so they never crowd."""
+    row_step, col_step = -(-rows // most), -(-columns // most)
+    if col_step > 1:
+        col_step = next(s for s in (2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100) + (columns,) if s >= col_step)
+    ax.set_yticks([rows - 1 - r + 0.5 for r in range(0, rows, row_step)],
+                  [str(r * columns) for r in range(0, rows, row_step)])
+    ax.set_xticks([c + 0.5 for c in range(0, columns, col_step)], [f"+{c}" for c in range(0, columns, col_step)])
+    ax.xaxis.tick_top()
+    ax.xaxis.set_label_position("top")
+    ax.tick_params(labelsize=8, length=0, pad=2)
+    ax.set_xlabel("column: block id = row's first id + column", fontsize=8)
+    ax.set_ylabel("row's first block id", fontsize=8)
+    for side in ax.spines.values():
+        side.set_visible(False)
+
+
 def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=None):
     """Draw `snapshot` (from `engine.pool_snapshot()`): one square per block, coloured by state.
     Shared blocks also get the live map's corner mark and their ref count, swapped blocks its
@@ -72,8 +91,9 @@ def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=
     states, refs = snapshot["states"], snapshot["ref_counts"]
     colours, cues = state_colours(), cue_colours()
     rows = -(-len(states) // columns)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(min(12, 0.3 * columns + 1), 0.3 * rows + 1.1))
+    alone = ax is None
+    if alone:
+        _, ax = plt.subplots(figsize=(max(4.5, min(12, 0.3 * columns + 1.6)), 0.3 * rows + 1.9))
     for i, (state, ref) in enumerate(zip(states, refs)):
         x, y = i % columns, rows - 1 - i // columns
         colour = colours.get(state, (0.4, 0.4, 0.4))
@@ -86,9 +106,8 @@ def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=
             ax.add_patch(Polygon([(x + 0.05, y + 0.95), (x + 0.45, y + 0.95), (x + 0.05, y + 0.55)],
                                  closed=True, lw=0, facecolor=cues["MARK"], gid="shared-mark"))
             ax.text(x + 0.58, y + 0.42, str(ref), ha="center", va="center", fontsize=8, color=cues["MARK"])
-    ax.set(xlim=(0, columns), ylim=(0, rows), aspect="equal", xticks=[], yticks=[])
-    for side in ax.spines.values():
-        side.set_visible(False)
+    ax.set(xlim=(0, columns), ylim=(0, rows), aspect="equal")
+    _label_grid(ax, columns, rows)
     present = [s for s in ORDER if s in states] + sorted(set(states) - set(ORDER))
     counts = {s: states.count(s) for s in present}
     handles = []
@@ -101,6 +120,8 @@ def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=
             handles.append(Patch(color=colour, label=f"{s} {counts[s]}"))
     handler_map = {h: _MarkedSquare() for h, s in zip(handles, present) if s == "shared"}
     ax.legend(handles=handles, handler_map=handler_map, loc="upper center", bbox_to_anchor=(0.5, 0.0),
-              ncol=len(present), fontsize=8, frameon=False)
+              ncol=len(present) if columns >= 12 else 3, fontsize=8, frameon=False)
     ax.set_title(title or f"{len(states)} blocks x {snapshot['block_size']} tokens", fontsize=9)
+    if alone:
+        ax.figure.tight_layout()
     return ax.figure

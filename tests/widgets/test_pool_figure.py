@@ -9,6 +9,7 @@ import pytest
 matplotlib.use("Agg")
 
 from conftest import tiny_model
+from figure_checks import check_figure
 from jupyter_pagedkv import SamplingParams
 from jupyter_pagedkv.widgets import PoolRecorder, pool_figure
 from jupyter_pagedkv.widgets.pool_figure import STATIC, state_colours
@@ -32,7 +33,7 @@ def test_recorder_keeps_the_busiest_step_and_detaches(make_engine):
     assert len(rec.timeline) >= 6
     peak = rec.peak_stats
     # 4 samples over 6 full prompt blocks + one copied partial block each (+ growth): sharing shows.
-    assert peak.num_block_refs == max(p.block_refs for p in rec.timeline)
+    assert peak.num_used == rec.max_used == rec.timeline[rec.peak_index].used
     assert peak.num_shared >= 6 and peak.num_block_refs > peak.num_used
     assert rec.peak["states"].count("shared") == peak.num_shared
     assert rec.timeline[-1].used == 0                        # everything returned by the end
@@ -96,3 +97,50 @@ def test_shared_and_swapped_blocks_carry_the_maps_second_cues():
                          and p.get_facecolor()[:3] == pytest.approx(state_colours()["shared"]))
     assert near(cue_colours()["MARK"], shared_square) > 10      # the corner mark, inside the square
     assert near(state_colours()["shared"], shared_square) > 20
+
+
+def test_busiest_step_is_by_blocks_held_after_copy_on_write(make_engine):
+    """n=4 over a prompt whose last block is partial: the step after the fork has as many references
+    as the next (no sample needs a new block yet), but only the next step's copy-on-write
+    shows what the run holds. The peak is that later step: most blocks held, not most references."""
+    engine = make_engine(MODEL, block_size=4, num_blocks=64)
+    with PoolRecorder(engine) as rec:
+        engine.generate([PROMPT], SamplingParams(n=4, max_tokens=3, temperature=0.8, seed=3, ignore_eos=True))
+    fork = next(i for i, p in enumerate(rec.timeline) if p.shared)
+    after_fork = rec.timeline[fork]
+    assert after_fork.used == 7 and after_fork.block_refs == 28     # 7 prompt blocks, ref 4 each
+    peak = rec.peak_stats
+    assert rec.peak_index > fork
+    assert peak.num_used == max(p.used for p in rec.timeline) > after_fork.used
+    assert peak.num_block_refs == after_fork.block_refs             # a tie by references
+    # the partial block was copied: the 6 full prompt blocks stay shared, each sample owns its last one
+    assert (peak.num_shared, peak.num_used - peak.num_shared) == (6, 4)
+
+
+def test_recorder_figure_reads_well(make_engine):
+    """Axis labels with units, text >= 8 pt, no legend on the data; held blocks and private copies
+    drawn on one footing, cached blocks (held by nobody) not stacked on top of held ones."""
+    engine = make_engine(MODEL, block_size=4, num_blocks=64)
+    engine.generate([PROMPT], SamplingParams(max_tokens=1))           # leaves cached prefix blocks
+    with PoolRecorder(engine) as rec:
+        engine.generate([PROMPT], SamplingParams(n=4, max_tokens=6, temperature=0.8, seed=3, ignore_eos=True))
+    assert any(p.cached for p in rec.timeline)
+    fig = rec.figure("n=4")
+    labels = check_figure(fig, expect_labels=("(s)", "blocks (4 tokens each)", "block id"))
+    assert "time since recording started (s)" in labels
+    timeline = fig.axes[0]
+    texts = [t.get_text() for t in timeline.get_legend().get_texts()]
+    assert "private copies: blocks if nothing were shared" in texts
+    assert "cached: ref 0, held by no sequence" in texts
+    # the stacked area tops out at the blocks held, never above the private-copies line
+    top = max(max(c.get_paths()[0].vertices[:, 1]) for c in timeline.collections)
+    assert top == rec.max_used <= max(p.block_refs for p in rec.timeline)
+    fig.clf()
+
+
+def test_pool_figure_alone_reads_well():
+    snap = {"states": ["free", "used", "shared", "cached"] * 40, "ref_counts": [0, 1, 2, 0] * 40, "block_size": 16}
+    fig = pool_figure(snap, columns=32)
+    check_figure(fig, expect_labels=("block id",))
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "32", "64", "96", "128"]
