@@ -44,8 +44,11 @@ def check_figure(fig, expect_labels: Iterable[str] = (), min_points: float = MIN
                  legend_may_cover: bool = False) -> list[str]:
     """Assert the rules above on `fig`; `expect_labels` are substrings some axis label must hold
     (units, say "(s)"). Returns every axis label seen, for further checks."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.text import Text
 
+    if not hasattr(fig.canvas, "get_renderer"):      # a bare matplotlib.figure.Figure
+        FigureCanvasAgg(fig)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     problems: list[str] = []

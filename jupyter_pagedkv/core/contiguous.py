@@ -93,6 +93,10 @@ class ContiguousArena:
                 del self._starts[i + 1], self._lengths[i + 1]
         table.free()
 
+    def free_runs(self) -> list[int]:
+        """Lengths of the free runs, in block order."""
+        return list(self._lengths)
+
     def fragmentation(self) -> Fragmentation:
         return Fragmentation(sum(self._lengths), max(self._lengths, default=0), len(self._lengths))
 

@@ -159,8 +159,9 @@ def from_argv(argv: list[str] | None) -> Plan:
 def figure(p: Plan):
     """Concurrent requests that fit vs context length, paged vs contiguous (a matplotlib Figure)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    fig = Figure(figsize=(6.4, 3.4))
+    fig = Figure(figsize=(8, 3.4))
     ax = fig.subplots()
     lengths = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
                if n <= p.model.max_context]
@@ -173,8 +174,13 @@ def figure(p: Plan):
     ax.set(xscale="log", yscale="log", xlabel="tokens per request (prompt + output)",
            ylabel="concurrent requests that fit",
            title=f"{p.model.name} on {p.num_gpus} x {p.gpu.name}: {p.tokens:,} KV tokens")
+    # Label the swept lengths only (log axes' default minor labels collide: "3x10^2 4x10^2").
+    ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths], minor=False)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 

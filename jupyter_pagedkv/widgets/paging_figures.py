@@ -98,6 +98,35 @@ def capture(engine: Any, stage: str = "", note: str = "") -> PagingFrame:
                        tuple(snap["ref_counts"]), tuple(tables))
 
 
+class FrameAt:
+    """`with FrameAt(engine, step=k) as at: ...run...` keeps `at.frame`, the frame after step k (the
+    engine's step count), or after the first step where `when(engine)` holds: a picture of one
+    moment of a run that something else drives (`serve`, `generate`), taken between its steps.
+    `note` may be a function of the engine, read at that moment (what the picture cannot show,
+    such as what the head of the queue is waiting for)."""
+
+    def __init__(self, engine: Any, step: int | None = None, when=None, stage: str = "", note="") -> None:
+        if (step is None) == (when is None):
+            raise ValueError("give FrameAt either step= (the engine's step count) or when= (a predicate)")
+        self.engine, self.step, self.when, self.stage, self.note = engine, step, when, stage, note
+        self.frame: PagingFrame | None = None
+
+    def __enter__(self) -> FrameAt:
+        self.engine.add_step_listener(self._on_step)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.remove_step_listener(self._on_step)
+
+    def _on_step(self) -> None:
+        if self.frame is not None:
+            return
+        hit = (self.engine.stats().num_steps == self.step) if self.when is None else self.when(self.engine)
+        if hit:
+            note = self.note(self.engine) if callable(self.note) else self.note
+            self.frame = capture(self.engine, self.stage, note)
+
+
 # -- drawing -----------------------------------------------------------------------------------------
 def _colour(state: str) -> tuple[float, float, float]:
     return state_colours().get(state, (0.4, 0.4, 0.4))

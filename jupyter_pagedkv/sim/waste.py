@@ -1,0 +1,176 @@
+"""WasteMeter: where a pool's token slots went during a real run, split four ways.
+
+"Contiguous reservation wastes memory" is the thesis; this measures it on a running `Engine`, the
+same way for both allocators, so the two can be set side by side. After every step each slot of
+the pool is in exactly one of five places:
+
+* **stored**: holds a token's K and V;
+* **reservation waste**: held by a sequence, empty now, filled later by a token it has yet to
+  generate (the contiguous baseline reserves `prompt + max_tokens` up front; paging holds at most
+  the rest of the current block);
+* **internal waste**: held by a sequence and never filled, because it stopped (EOS, a stop string)
+  before its reservation or its last block was full;
+* **external waste**: free, while the request at the head of the queue is refused although enough
+  blocks are free in total: the free space is split into runs too short for it, so none of it is
+  usable (the queue is first come, first served: nothing behind the head is admitted either);
+* **free**: free, and no admission is refused for want of adjacent blocks.
+
+Which empty slots are reservation and which internal is known only once a sequence finishes, so
+the meter keeps per-step counts per sequence and splits them in `breakdown()`. Steps are weighted
+equally (not by their duration), which makes the figures deterministic for a deterministic run:
+a notebook can check them. Sequences must not share blocks (prefix caching off, n = 1): a shared
+block belongs to no one sequence, so the split would count it twice. Paging has no external waste by construction (any free block serves any
+block table), and the meter measures that rather than assuming it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CATEGORIES = ("stored", "reservation", "internal", "external", "free")
+
+
+@dataclass(frozen=True)
+class WasteBreakdown:
+    """Mean token slots per engine step in each category; they sum to `capacity`."""
+
+    label: str
+    capacity: int               # slots in the pool (blocks x block size)
+    num_steps: int
+    stored: float
+    reservation: float
+    internal: float
+    external: float
+    free: float
+    external_steps: int         # steps after which the head of the queue was refused for want of a run
+
+    def fraction(self, category: str) -> float:
+        """Share of the pool's slots in `category`, averaged over the run's steps."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown category {category!r}: choose one of {', '.join(CATEGORIES)}")
+        return getattr(self, category) / self.capacity if self.capacity else float("nan")
+
+    @property
+    def held(self) -> float:
+        """Slots held by sequences: stored + reservation + internal."""
+        return self.stored + self.reservation + self.internal
+
+    @property
+    def utilisation(self) -> float:
+        """Tokens stored / slots held: what `RunSummary.kv_utilisation` reports (step-weighted here)."""
+        return self.stored / self.held if self.held else float("nan")
+
+
+def refused_by_layout(engine: Any) -> bool:
+    """Is the request at the head of `engine`'s queue refused although enough blocks are free in
+    total (external fragmentation, now)? Always False under paging: any free block serves any table."""
+    scheduler = engine.scheduler
+    arena = scheduler.arena
+    if arena is None or not scheduler.waiting or scheduler.swapped:
+        return False
+    need = arena.blocks_for(scheduler.reservation(scheduler.waiting[0]))
+    return need <= arena.pool.num_free and arena.find(need) is None
+
+
+def describe_refusal(engine: Any) -> str:
+    """One line on what the head of a contiguous engine's queue waits for and how the free blocks
+    lie ("" when nothing waits): the caption a picture of external fragmentation needs."""
+    scheduler = engine.scheduler
+    arena = scheduler.arena
+    if arena is None or not scheduler.waiting:
+        return ""
+    head = scheduler.waiting[0]
+    need = arena.blocks_for(scheduler.reservation(head))
+    runs = sorted(arena.free_runs(), reverse=True)
+    lie = f"in runs of {', '.join(map(str, runs))}" if len(runs) > 1 else "in one run"
+    return (f"{head.request_id} waits for {need} adjacent blocks (prompt + max_tokens); "
+            f"{arena.pool.num_free} blocks are free, {lie}" if runs else
+            f"{head.request_id} waits for {need} adjacent blocks; none is free")
+
+
+@dataclass
+class _SeqSample:
+    """One sequence after one step: slots held (whole blocks) and slots holding KV."""
+
+    key: tuple[str, int]
+    held: int
+    stored: int
+
+
+@dataclass
+class WasteMeter:
+    """`with WasteMeter(engine) as meter: ...run...` then `meter.breakdown()`.
+
+    Reads the engine between steps through its step-listener hook (the one `PoolRecorder` uses)
+    and keeps the sequences it saw, so their final lengths are known when the run is over."""
+
+    engine: Any
+    label: str = ""
+    _samples: list[list[_SeqSample]] = field(default_factory=list)
+    _free: list[tuple[int, bool]] = field(default_factory=list)     # (free slots, head refused by layout)
+    _seqs: dict[tuple[str, int], Any] = field(default_factory=dict)
+    admitted_at: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Per sequence, the first recorded step (1-based, of this recording) after which it held blocks:
+    waiting time counted in engine steps, which a deterministic run repeats exactly."""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or getattr(self.engine, "allocator", "paged")
+
+    def __enter__(self) -> WasteMeter:
+        self.engine.add_step_listener(self._on_step)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.remove_step_listener(self._on_step)
+
+    def _on_step(self) -> None:
+        bs = self.engine.pool.block_size
+        step = []
+        for req in self.engine.live_requests():
+            for seq in req.seqs:
+                if seq.is_finished:
+                    continue
+                key = (req.request_id, seq.sample_index)
+                self._seqs[key] = seq
+                table = seq.block_table
+                if table.block_ids:
+                    self.admitted_at.setdefault(key, len(self._samples) + 1)
+                step.append(_SeqSample(key, len(table.block_ids) * bs, table.num_slots))
+        if self.engine.stats().num_shared:
+            raise RuntimeError("WasteMeter splits slots per sequence, so it needs an unshared pool: build "
+                               "the engine with enable_prefix_caching=False and run n=1 requests")
+        self._samples.append(step)
+        # Ref-0 blocks (free or cached) are free here: the allocator may hand any of them out.
+        free_blocks = self.engine.pool.num_blocks - sum(s.held for s in step) // bs
+        self._free.append((free_blocks * bs, refused_by_layout(self.engine)))
+
+    def final_kv_tokens(self, key: tuple[str, int]) -> int:
+        """Slots a sequence fills over its whole life: every token but the last one sampled (its
+        K and V would only be written by the step after, which never comes)."""
+        return self._seqs[key].num_tokens - 1
+
+    def breakdown(self) -> WasteBreakdown:
+        """Split every recorded step's slots four ways (plus free); call after the run ends."""
+        if not self._samples:
+            raise RuntimeError("nothing recorded: run requests inside `with WasteMeter(engine):`")
+        unfinished = [k for k, s in self._seqs.items() if not s.is_finished]
+        if unfinished:
+            raise RuntimeError(f"{len(unfinished)} sequences are still running ({unfinished[0][0]}, ...): "
+                               "call breakdown() after the run, when every final length is known")
+        capacity = self.engine.pool.num_blocks * self.engine.pool.block_size
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for step, (free, refused) in zip(self._samples, self._free):
+            for s in step:
+                final = self.final_kv_tokens(s.key)
+                totals["stored"] += s.stored
+                totals["reservation"] += max(0, min(s.held, final) - s.stored)
+                totals["internal"] += s.held - max(s.stored, min(s.held, final))
+            totals["external" if refused else "free"] += free
+        n = len(self._samples)
+        b = WasteBreakdown(self.label, capacity, n, *(totals[c] / n for c in CATEGORIES),
+                           external_steps=sum(r for _, r in self._free))
+        held = sum(s.held for step in self._samples for s in step) / n
+        assert abs(b.stored + b.reservation + b.internal - held) < 1e-6, "categories do not cover the held slots"
+        assert abs(sum(getattr(b, c) for c in CATEGORIES) - capacity) < 1e-6 * max(1, capacity), (
+            "held + free slots do not add up to the pool: a block is counted twice or not at all")
+        return b

@@ -1,0 +1,116 @@
+"""comparison_figures and FrameAt: the side-by-side pools, the waste bars and the rate sweep, drawn
+from real toy runs and checked for what they show and how they read (tests/figure_checks.py)."""
+from __future__ import annotations
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from conftest import tiny_model  # noqa: E402
+from figure_checks import check_figure  # noqa: E402
+from jupyter_pagedkv import SamplingParams  # noqa: E402
+from jupyter_pagedkv.sim.plan import figure as plan_figure, plan  # noqa: E402
+from jupyter_pagedkv.sim.waste import WasteMeter, describe_refusal, refused_by_layout  # noqa: E402
+from jupyter_pagedkv.widgets.comparison_figures import (  # noqa: E402
+    arena_figure, capacity_at, sweep_figure, waste_figure)
+from jupyter_pagedkv.widgets.paging_figures import FrameAt  # noqa: E402
+
+MODEL = tiny_model("llama", seed=6)
+PLAN = (("A", 5, 7), ("B", 3, 3), ("C", 6, 14), ("D", 4, 8))   # fragments a 12 x 4 contiguous pool
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both allocators over the same four requests; the contiguous run's first external refusal
+    and the paged run at the same step are kept as frames."""
+    from jupyter_pagedkv import Engine
+
+    out, moment = {}, None
+    for allocator in ("contiguous", "paged"):
+        engine = Engine(MODEL, None, block_size=4, num_blocks=12, allocator=allocator,
+                        enable_prefix_caching=False, seed=0)
+        at = (FrameAt(engine, when=refused_by_layout, note=describe_refusal) if moment is None
+              else FrameAt(engine, step=moment))
+        with WasteMeter(engine) as meter, at:
+            for k, (rid, prompt, m) in enumerate(PLAN):
+                engine.add_request(list(range(20 + 20 * k, 20 + 20 * k + prompt)),
+                                   SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+        engine.check_invariants()
+        assert engine.stats().num_used == 0
+        moment = moment or at.frame.step
+        out[allocator] = (at.frame, meter.breakdown())
+    return out
+
+
+def test_frame_at_takes_the_asked_moment(runs):
+    contiguous, paged = runs["contiguous"][0], runs["paged"][0]
+    assert contiguous.step == paged.step
+    assert contiguous.note.startswith("D waits for 3 adjacent blocks")
+    assert {t.request_id for t in contiguous.tables if not t.block_ids} == {"D"}   # waiting, holding nothing
+    assert all(t.block_ids for t in paged.tables)                                  # paging admitted D
+    with pytest.raises(ValueError, match="either step= .* or when="):
+        FrameAt(object())
+
+
+def test_arena_figure_draws_every_block_once_and_reads_well(runs):
+    frames = {"paged": runs["paged"][0], "contiguous": runs["contiguous"][0]}
+    fig = arena_figure(frames)
+    check_figure(fig, expect_labels=("token slots",))
+    ax_p, ax_c = fig.axes
+    for ax, frame in ((ax_p, frames["paged"]), (ax_c, frames["contiguous"])):
+        gids = [p.get_gid() or "" for p in ax.patches]
+        held = {b for t in frame.tables for b in t.block_ids}
+        assert sum(g.startswith("free:") for g in gids) == frame.num_blocks - len(held)
+        stored = sum(int(g.rsplit(":", 1)[1]) for g in gids if g.startswith("stored:"))
+        empty = sum(int(g.rsplit(":", 1)[1]) for g in gids if g.startswith("empty:"))
+        assert stored == sum(min(t.num_tokens, len(t.block_ids) * 4) for t in frame.tables)
+        assert stored + empty == 4 * len(held)
+        assert sorted(t.get_text() for t in ax.texts) == sorted(
+            t.label for t in frame.tables for _ in t.block_ids)
+    assert "D waits" in ax_c.get_title(loc="left") and "1 waiting" in ax_c.get_title(loc="left")
+    assert "0 waiting" in ax_p.get_title(loc="left")
+    with pytest.raises(ValueError, match="no frames"):
+        arena_figure({})
+
+
+def test_waste_figure_stacks_to_the_whole_pool(runs):
+    bds = [runs["paged"][1], runs["contiguous"][1]]
+    fig = waste_figure(bds, title="toy")
+    check_figure(fig, expect_labels=("(%)",))
+    ax = fig.axes[0]
+    for b in bds:
+        widths = [p.get_width() for p in ax.patches if (p.get_gid() or "").startswith(b.label + ":")]
+        assert len(widths) == 5 and sum(widths) == pytest.approx(100)
+    assert runs["paged"][1].external == 0 < runs["contiguous"][1].external
+    with pytest.raises(ValueError, match="no breakdowns"):
+        waste_figure([])
+
+
+def test_capacity_is_interpolated_not_read_off_the_sweep_ends():
+    rates = [1, 2, 3, 4]
+    assert capacity_at(rates, [10, 20, 30, 40], 25) == pytest.approx(2.5)
+    assert capacity_at(rates, [10, 20, 30, 40], 20) == pytest.approx(2.0)
+    assert capacity_at(rates, [30, 40, 50, 60], 25) is None       # over the bound from the start
+    assert capacity_at(rates, [1, 2, 3, 4], 25) == 4               # never over it: the sweep's end
+    assert capacity_at([3, 1, 2], [30, 10, 20], 15) == pytest.approx(1.5)   # order does not matter
+    with pytest.raises(ValueError, match="same length"):
+        capacity_at([1, 2], [1], 5)
+
+
+def test_sweep_figure_marks_each_crossing():
+    rates = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    fig = sweep_figure(rates, {"paged": [10, 12, 15, 20, 40, 80], "contiguous": [20, 60, 120, 200, 260, 300]},
+                       bound=50, ylabel="P99 end-to-end latency (s)", title="test")
+    check_figure(fig, expect_labels=("(s)", "(requests/s)"))
+    marks = sorted(t.get_text() for t in fig.axes[0].texts)
+    assert marks == ["0.88 req/s", "2.62 req/s"]
+
+
+def test_planner_figure_reads_well():
+    fig = plan_figure(plan("Llama-3-70B", "H100-80GB", 2))
+    check_figure(fig)
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks[:3] == ["256", "512", "1k"] and ticks[-1] == "8k"
