@@ -24,14 +24,20 @@ import random
 import time
 from pathlib import Path
 
-from ..sim.summary import RunSummary
+from ..sim.summary import RunSummary, capacity_at
+
+
+def tail_of(summary: RunSummary, metric: str) -> float:
+    """P99 of `metric` ("latency": end to end, or "ttft"), or the maximum for a run of fewer than
+    20 requests, where a 99th percentile is the maximum anyway (`RunSummary.tail_name`)."""
+    return summary.latency_tail() if metric == "latency" else summary.ttft_tail()
 
 
 def max_rate_under(rows: list[RunSummary], rates: list[float], bound: float, metric: str = "latency") -> float:
-    """Highest swept rate whose P99 `metric` ("latency": end to end, or "ttft") stays within `bound`
-    seconds (0 if none)."""
-    ok = [r for r, s in zip(rates, rows) if getattr(s, metric)(99) <= bound]
-    return max(ok, default=0.0)
+    """The rate at which the tail of `metric` reaches `bound` seconds, interpolated between the
+    swept rates on either side (`capacity_at`); 0 if even the lowest rate is over the bound, the
+    highest swept rate if none is."""
+    return capacity_at(rates, [tail_of(s, metric) for s in rows], bound) or 0.0
 
 
 def rate_ratio(paged: float, contiguous: float) -> float:
@@ -160,14 +166,68 @@ def report(scale: dict) -> dict:
         verdict = (f"{ratio:.1f}x" if math.isfinite(ratio) else
                    "paged only: lower the rates to find contiguous's" if paged else
                    "neither: lower the rates or raise the bound")
-        print(f"  highest swept rate with P99 {what} <= {bound:g} s: paged {paged:g} req/s, contiguous "
-              f"{contig:g} req/s -> {verdict}")
+        tail = runs["paged"][0].tail_name
+        print(f"  rate at which {tail} {what} reaches {bound:g} s (interpolated between swept rates): "
+              f"paged {paged:.2f} req/s, contiguous {contig:.2f} req/s -> {verdict}")
         out[metric] = {"bound_s": bound, "paged_max_rate": paged, "contiguous_max_rate": contig, "rate_ratio": ratio}
-    print(f"  swap vs recompute at {scale['pressure_rate']:g} req/s: P99 latency {swp.latency(99):.2f} s vs "
-          f"{rec.latency(99):.2f} s ({swp.latency(99) / rec.latency(99):.2f}x); preemptions "
-          f"{swp.num_preemptions} vs {rec.num_preemptions}")
-    out.update(swap_p99=swp.latency(99), recompute_p99=rec.latency(99))
+    print(f"  swap vs recompute at {scale['pressure_rate']:g} req/s: {swp.tail_name} latency "
+          f"{swp.latency_tail():.2f} s vs {rec.latency_tail():.2f} s "
+          f"({swp.latency_tail() / rec.latency_tail():.2f}x); preemptions {swp.num_preemptions} vs "
+          f"{rec.num_preemptions}")
+    out.update(swap_tail=swp.latency_tail(), recompute_tail=rec.latency_tail(), tail=swp.tail_name)
     return out
+
+
+def tail_figure(scale: dict):
+    """Four panels over the swept rates, paged against contiguous: end-to-end latency (tail and
+    median), time to first token (tail), throughput and KV utilisation; each bound drawn, and the
+    rate where a tail crosses it marked (interpolated). The tail is P99, or "max" for runs of
+    fewer than 20 requests."""
+    import matplotlib.pyplot as plt
+
+    from ..widgets.comparison_figures import ALLOCATOR_COLOURS
+    from ..widgets.paging_figures import FONT
+
+    runs, rates = scale["runs"], scale["rates"]
+    tail = runs["paged"][0].tail_name
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    for alloc, rs in runs.items():
+        c = ALLOCATOR_COLOURS[alloc]
+        axes[0].plot(rates, [s.latency_tail() for s in rs], "o-", ms=4, color=c, label=f"{alloc} {tail}")
+        axes[0].plot(rates, [s.latency(50) for s in rs], "o--", ms=4, color=c, alpha=0.5, label=f"{alloc} median")
+        axes[1].plot(rates, [s.ttft_tail() for s in rs], "o-", ms=4, color=c, label=f"{alloc} {tail}")
+        axes[2].plot(rates, [s.throughput for s in rs], "o-", ms=4, color=c, label=alloc)
+        axes[3].plot(rates, [100 * s.kv_utilisation for s in rs], "o-", ms=4, color=c, label=alloc)
+    for ax, key, metric in ((axes[0], "bound", "latency"), (axes[1], "ttft_bound", "ttft")):
+        bound = scale[key]
+        ax.axhline(bound, color="grey", lw=0.8, ls=":", label=f"bound {bound:g} s")
+        for alloc, rs in runs.items():
+            cap = max_rate_under(rs, rates, bound, metric)
+            if 0 < cap < max(rates):
+                ax.axvline(cap, color=ALLOCATOR_COLOURS[alloc], lw=0.8, ls=":")
+    axes[0].set(xlabel="request rate (requests/s)", ylabel="end-to-end latency (s)", yscale="log",
+                title="latency vs load")
+    axes[1].set(xlabel="request rate (requests/s)", ylabel="time to first token (s)", yscale="log",
+                title="waiting for the first token")
+    axes[2].set(xlabel="request rate (requests/s)", ylabel="generated tokens/s", title="throughput")
+    axes[3].set(xlabel="request rate (requests/s)", ylabel="tokens stored / slots reserved (%)", ylim=(0, 105),
+                title="KV utilisation")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=FONT)
+        ax.xaxis.label.set_size(FONT + 1)
+        ax.yaxis.label.set_size(FONT + 1)
+        ax.title.set_size(FONT + 2)
+        # Below the axes, never on the data; vertical dotted lines mark where a tail crosses its bound.
+        ax.legend(fontsize=FONT, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+        if ax.get_yscale() == "log":      # plain numbers, no colliding "3x10^2 4x10^2" minor labels
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+    fig.suptitle(scale["label"] + ("" if tail == "P99" else f" (tail = max: fewer than 20 requests per run)"),
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def plot(scale: dict, path: Path) -> None:
@@ -175,30 +235,7 @@ def plot(scale: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs, rates = scale["runs"], scale["rates"]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
-    colours = {"paged": "#2a7ab9", "contiguous": "#d9552b"}
-    for alloc, rs in runs.items():
-        axes[0].plot(rates, [s.latency(99) for s in rs], "o-", color=colours[alloc], label=f"{alloc} P99")
-        axes[0].plot(rates, [s.latency(50) for s in rs], "o--", color=colours[alloc], alpha=0.5,
-                     label=f"{alloc} P50")
-        axes[1].plot(rates, [s.ttft(99) for s in rs], "o-", color=colours[alloc], label=f"{alloc} P99")
-        axes[2].plot(rates, [s.throughput for s in rs], "o-", color=colours[alloc], label=alloc)
-        axes[3].plot(rates, [100 * s.kv_utilisation for s in rs], "o-", color=colours[alloc], label=alloc)
-    axes[0].axhline(scale["bound"], color="grey", lw=0.8, ls=":", label="P99 bound")
-    axes[0].set(xlabel="request rate (req/s)", ylabel="end-to-end latency (s)", yscale="log",
-                title="latency vs load")
-    axes[1].axhline(scale["ttft_bound"], color="grey", lw=0.8, ls=":", label="P99 bound")
-    axes[1].set(xlabel="request rate (req/s)", ylabel="time to first token (s)", yscale="log",
-                title="waiting for the first token")
-    axes[2].set(xlabel="request rate (req/s)", ylabel="generated tokens/s", title="throughput")
-    axes[3].set(xlabel="request rate (req/s)", ylabel="KV utilisation (%)", ylim=(0, 105),
-                title="tokens stored / slots reserved")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(scale["label"], fontsize=10)
-    fig.tight_layout()
+    fig = tail_figure(scale)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -219,7 +256,8 @@ def main(argv: list[str]) -> int:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--profile", default="sharegpt", choices=("sharegpt", "alpaca"))
     g.add_argument("--sim-requests", type=int, default=600)
-    g.add_argument("--sim-rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
+    g.add_argument("--sim-rates", type=float, nargs="+", default=[0.25 * k for k in range(1, 15)],
+                   help="fine enough to interpolate where a tail crosses its bound (default 0.25 .. 3.5)")
     g.add_argument("--sim-p99-bound", type=float, default=60.0, help="end-to-end, seconds")
     g.add_argument("--sim-ttft-bound", type=float, default=5.0, help="time to first token, seconds")
     g.add_argument("--sim-pressure-rate", type=float, default=None)

@@ -11,7 +11,7 @@ from ..config import format_bytes
 from ..core.invariants import check_invariants
 from ..core.stats import EngineStats, engine_stats, pool_snapshot
 from . import extensions
-from .outputs import EngineInfo, Observation, RequestRow
+from .outputs import EngineInfo, Observation, QueueHead, RequestRow
 from .request import Request
 
 
@@ -68,6 +68,19 @@ class EngineInspection:
             return ([row(r, r.seqs[0].status.value) for r in self._requests.values()]
                     + [row(r, "failed" if r.error is not None else "done")
                        for r in (list(self.finished_requests)[-finished:] if finished > 0 else [])])
+
+    def queue_head(self) -> QueueHead | None:
+        """The waiting request admission tries next (None if none waits), what it needs, and how
+        the free blocks lie: the contiguous baseline's external fragmentation made visible."""
+        with self._lock:
+            sched = self.scheduler
+            if not sched.waiting:
+                return None
+            seq = sched.waiting[0]
+            if sched.arena is None:
+                return QueueHead(seq.request_id, -(-seq.num_tokens // self.block_size), self.pool.num_free, None)
+            return QueueHead(seq.request_id, sched.arena.blocks_for(sched.reservation(seq)),
+                             self.pool.num_free, tuple(sched.arena.free_runs()))
 
     def info(self) -> EngineInfo:
         dtype = str(self.dtype).replace("torch.", "")

@@ -138,3 +138,22 @@ class Observation:
     touched: list[int] | None
     snapshot: dict | None
     waited_s: float = 0.0              # time spent waiting for the engine's lock (a step running)
+
+
+@dataclass(frozen=True)
+class QueueHead:
+    """The request first in line for admission, and whether the pool's *layout* refuses it:
+    enough blocks are free in total, but (contiguous baseline) no free run is long enough. What a
+    fragmentation meter or caption needs, without reaching into the scheduler."""
+
+    request_id: str
+    blocks_needed: int                  # contiguous: its whole reservation; paged: blocks its tokens need
+    free_blocks: int
+    free_runs: tuple[int, ...] | None   # lengths of the free runs, in block order; None under paging
+
+    @property
+    def refused_by_layout(self) -> bool:
+        """External fragmentation, now: never under paging, where any free block serves any table."""
+        return (self.free_runs is not None and self.blocks_needed <= self.free_blocks
+                and max(self.free_runs, default=0) < self.blocks_needed)
+

@@ -3,6 +3,7 @@ run and a simulated one so the two can be set side by side."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -97,6 +98,22 @@ class RunSummary:
         return (f"{self.label:<28} util {self.kv_utilisation:6.1%}  max conc {self.max_concurrent:4d}  "
                 f"{self.throughput:8.1f} tok/s  TTFT p50 {self.ttft(50):7.2f}s {t} {self.ttft_tail():7.2f}s  "
                 f"e2e p50 {self.latency(50):7.2f}s {t} {self.latency_tail():7.2f}s  preempt {self.num_preemptions}")
+
+
+def capacity_at(rates: Sequence[float], values: Sequence[float], bound: float) -> float | None:
+    """The highest request rate whose `values` (a latency, rising with rate) stay within `bound`,
+    interpolated linearly between the last swept rate under the bound and the first one over it.
+    None if even the lowest rate exceeds it; the highest rate swept, if none does (the sweep was
+    too short to say more)."""
+    if len(rates) != len(values) or not rates:
+        raise ValueError("rates and values must be non-empty and of the same length")
+    points = sorted(zip(rates, values))
+    if points[0][1] > bound:
+        return None
+    for (r0, v0), (r1, v1) in zip(points, points[1:]):
+        if v1 > bound:
+            return r0 + (bound - v0) / (v1 - v0) * (r1 - r0)
+    return points[-1][0]
 
 
 class UtilisationMeter:

@@ -64,28 +64,22 @@ class WasteBreakdown:
 def refused_by_layout(engine: Any) -> bool:
     """Is the request at the head of `engine`'s queue refused although enough blocks are free in
     total (external fragmentation, now)? Always False under paging: any free block serves any table."""
-    scheduler = engine.scheduler
-    arena = scheduler.arena
-    if arena is None or not scheduler.waiting or scheduler.swapped:
-        return False
-    need = arena.blocks_for(scheduler.reservation(scheduler.waiting[0]))
-    return need <= arena.pool.num_free and arena.find(need) is None
+    head = engine.queue_head()
+    return head is not None and head.refused_by_layout
 
 
 def describe_refusal(engine: Any) -> str:
     """One line on what the head of a contiguous engine's queue waits for and how the free blocks
-    lie ("" when nothing waits): the caption a picture of external fragmentation needs."""
-    scheduler = engine.scheduler
-    arena = scheduler.arena
-    if arena is None or not scheduler.waiting:
+    lie ("" when nothing waits, or under paging): the caption a picture of external fragmentation needs."""
+    head = engine.queue_head()
+    if head is None or head.free_runs is None:
         return ""
-    head = scheduler.waiting[0]
-    need = arena.blocks_for(scheduler.reservation(head))
-    runs = sorted(arena.free_runs(), reverse=True)
+    runs = sorted(head.free_runs, reverse=True)
+    if not runs:
+        return f"{head.request_id} waits for {head.blocks_needed} adjacent blocks; none is free"
     lie = f"in runs of {', '.join(map(str, runs))}" if len(runs) > 1 else "in one run"
-    return (f"{head.request_id} waits for {need} adjacent blocks (prompt + max_tokens); "
-            f"{arena.pool.num_free} blocks are free, {lie}" if runs else
-            f"{head.request_id} waits for {need} adjacent blocks; none is free")
+    return (f"{head.request_id} waits for {head.blocks_needed} adjacent blocks (prompt + max_tokens); "
+            f"{head.free_blocks} blocks are free, {lie}")
 
 
 @dataclass
@@ -124,7 +118,8 @@ class WasteMeter:
         self.engine.remove_step_listener(self._on_step)
 
     def _on_step(self) -> None:
-        bs = self.engine.pool.block_size
+        info = self.engine.info()
+        bs = info.block_size
         step = []
         for req in self.engine.live_requests():
             for seq in req.seqs:
@@ -141,7 +136,7 @@ class WasteMeter:
                                "the engine with enable_prefix_caching=False and run n=1 requests")
         self._samples.append(step)
         # Ref-0 blocks (free or cached) are free here: the allocator may hand any of them out.
-        free_blocks = self.engine.pool.num_blocks - sum(s.held for s in step) // bs
+        free_blocks = info.num_blocks - sum(s.held for s in step) // bs
         self._free.append((free_blocks * bs, refused_by_layout(self.engine)))
 
     def final_kv_tokens(self, key: tuple[str, int]) -> int:
@@ -157,7 +152,8 @@ class WasteMeter:
         if unfinished:
             raise RuntimeError(f"{len(unfinished)} sequences are still running ({unfinished[0][0]}, ...): "
                                "call breakdown() after the run, when every final length is known")
-        capacity = self.engine.pool.num_blocks * self.engine.pool.block_size
+        info = self.engine.info()
+        capacity = info.num_blocks * info.block_size
         totals = dict.fromkeys(CATEGORIES, 0)
         for step, (free, refused) in zip(self._samples, self._free):
             for s in step:

@@ -1,41 +1,27 @@
-"""comparison_figures: paging beside the contiguous baseline, in pictures a reader can check.
+"""comparison_figures: paging beside the contiguous baseline, at one moment of a real run.
 
-Three figures carry notebook 04's argument, each drawn from measurements, never by hand:
-
-* `arena_figure`: the same moment of the same requests in both allocators, every physical block
-  drawn with the request that holds it, its stored tokens solid and its held-but-empty slots
-  hatched, so paging's scattered, nearly full blocks sit above the baseline's long, mostly empty
-  runs and the holes between them;
-* `waste_figure`: one stacked bar per allocator, the pool's slots split into stored, reservation,
-  internal, external and free (`sim.waste.WasteMeter`);
-* `sweep_figure`: a latency percentile against request rate for each allocator, with the rate
-  each sustains under a latency bound read off by interpolation (`capacity_at`), not from the
-  sweep's end points.
+`arena_figure` draws the same step of the same requests in both allocators, every physical block
+with the request that holds it, its stored tokens solid and its held-but-empty slots hatched: paging's
+scattered, nearly full blocks above the baseline's long, mostly empty runs and the holes between
+them. Drawn from `PagingFrame`s (`FrameAt`), never by hand. The run-long measurements that go with
+it (waste bars, rate sweeps) are drawn by `sim.figures`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping
 
-from .paging_figures import EMPTY_HATCH, FONT, INK, PagingFrame
+from .frames import PagingFrame
+from .paging_figures import EMPTY_HATCH, FONT, INK
 from .pool_figure import state_colours
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-    from ..sim.waste import WasteBreakdown
 
 # Requests are told apart by the id written on each block; colour only groups a request's blocks.
 # Twelve distinguishable hues (tab20's saturated half plus two from tab20b), reused beyond twelve.
 OWNER_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                  "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939")
 ALLOCATOR_COLOURS = {"paged": "#0072B2", "contiguous": "#D55E00"}   # Okabe-Ito blue and vermillion
-WASTE_STYLE = {            # category: (label, colour, hatch)
-    "stored": ("tokens stored", "#009E73", None),
-    "reservation": ("reservation waste (filled later)", "#E69F00", None),
-    "internal": ("internal waste (never filled)", "#D55E00", "xx"),
-    "external": ("external waste (free, unusable)", "#CC79A7", "\\\\"),
-    "free": ("free", "#DDDDDD", None),
-}
 
 
 def _owners(frame: PagingFrame) -> dict[str, str]:
@@ -118,81 +104,4 @@ def arena_figure(frames: Mapping[str, PagingFrame], notes: Mapping[str, str] | N
                Patch(facecolor=state_colours()["free"], edgecolor=(0.6, 0.6, 0.6), label="free")]
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=FONT, frameon=False)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1), h_pad=1.2)
-    return fig
-
-
-def waste_figure(breakdowns: Sequence[WasteBreakdown], title: str | None = None) -> Figure:
-    """A horizontal stacked bar per allocator: the pool's token slots, averaged over the run's
-    engine steps, split into stored / reservation / internal / external / free, with each share
-    written on its segment when it is wide enough to hold the text."""
-    import matplotlib.pyplot as plt
-
-    if not breakdowns:
-        raise ValueError("no breakdowns: pass WasteMeter(...).breakdown() of each run")
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(breakdowns) + 1.5))
-    for y, b in enumerate(breakdowns):
-        left = 0.0
-        for category, (label, colour, hatch) in WASTE_STYLE.items():
-            share = 100 * b.fraction(category)
-            ax.barh(y, share, left=left, height=0.6, color=colour, hatch=hatch, edgecolor="white", lw=0.8,
-                    label=label if y == 0 else None, gid=f"{b.label}:{category}")
-            if share >= 6:
-                ax.text(left + share / 2, y, f"{share:.0f}%", ha="center", va="center", fontsize=FONT, color=INK,
-                        bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.8))
-            left += share
-    ax.set(xlim=(0, 100), ylim=(len(breakdowns) - 0.5, -0.5), yticks=range(len(breakdowns)))
-    ax.set_yticklabels([b.label for b in breakdowns], fontsize=FONT)
-    ax.set_xlabel("share of the pool's token slots, mean over the run's engine steps (%)", fontsize=FONT)
-    ax.set_ylabel("allocator", fontsize=FONT)
-    ax.tick_params(labelsize=FONT)
-    fig.legend(loc="lower center", ncol=3, fontsize=FONT, frameon=False)
-    if title:
-        ax.set_title(title, fontsize=9, loc="left")
-    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))
-    return fig
-
-
-def capacity_at(rates: Sequence[float], values: Sequence[float], bound: float) -> float | None:
-    """The highest request rate whose `values` (a latency, rising with rate) stay within `bound`,
-    interpolated linearly between the last swept rate under the bound and the first one over it.
-    None if even the lowest rate exceeds it; the highest rate swept, if none does (the sweep was
-    too short to say more)."""
-    if len(rates) != len(values) or not rates:
-        raise ValueError("rates and values must be non-empty and of the same length")
-    points = sorted(zip(rates, values))
-    if points[0][1] > bound:
-        return None
-    for (r0, v0), (r1, v1) in zip(points, points[1:]):
-        if v1 > bound:
-            return r0 + (bound - v0) / (v1 - v0) * (r1 - r0)
-    return points[-1][0]
-
-
-def sweep_figure(rates: Sequence[float], series: Mapping[str, Sequence[float]], bound: float,
-                 ylabel: str, title: str = "") -> Figure:
-    """`series[allocator]` (a latency in seconds) against request rate, the bound as a dashed
-    line, and where each allocator's curve crosses it marked and labelled with the rate."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for k, (name, values) in enumerate(series.items()):
-        colour = ALLOCATOR_COLOURS.get(name, OWNER_COLOURS[k % len(OWNER_COLOURS)])
-        ax.plot(rates, values, "o-", ms=3, color=colour, label=name)
-        cap = capacity_at(rates, values, bound)
-        if cap is not None and cap < max(rates):
-            ax.plot([cap, cap], [0, bound], color=colour, lw=1, ls=":")
-            # Below the bound, right of the crossing: curves that cross it rise above the line there.
-            ax.annotate(f"{cap:.2f} req/s", (cap, bound), xytext=(4, -6), textcoords="offset points",
-                        fontsize=FONT, color=colour, va="top",
-                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.9))
-    ax.axhline(bound, color=INK, lw=0.8, ls="--", label=f"bound: {bound:g} s")
-    ax.set_xlabel("request rate (requests/s)", fontsize=FONT)
-    ax.set_ylabel(ylabel, fontsize=FONT)
-    ax.set_ylim(bottom=0)
-    ax.tick_params(labelsize=FONT)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=FONT, frameon=False)
-    if title:
-        ax.set_title(title, fontsize=9, loc="left")
-    fig.tight_layout()
     return fig

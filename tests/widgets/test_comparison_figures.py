@@ -12,9 +12,10 @@ from figure_checks import check_figure  # noqa: E402
 from jupyter_pagedkv import SamplingParams  # noqa: E402
 from jupyter_pagedkv.sim.plan import figure as plan_figure, plan  # noqa: E402
 from jupyter_pagedkv.sim.waste import WasteMeter, describe_refusal, refused_by_layout  # noqa: E402
-from jupyter_pagedkv.widgets.comparison_figures import (  # noqa: E402
-    arena_figure, capacity_at, sweep_figure, waste_figure)
-from jupyter_pagedkv.widgets.paging_figures import FrameAt  # noqa: E402
+from jupyter_pagedkv.sim.figures import sweep_figure, waste_figure  # noqa: E402
+from jupyter_pagedkv.sim.summary import capacity_at  # noqa: E402
+from jupyter_pagedkv.widgets.comparison_figures import arena_figure  # noqa: E402
+from jupyter_pagedkv.widgets.frames import FrameAt  # noqa: E402
 
 MODEL = tiny_model("llama", seed=6)
 PLAN = (("A", 5, 7), ("B", 3, 3), ("C", 6, 14), ("D", 4, 8))   # fragments a 12 x 4 contiguous pool
@@ -114,3 +115,27 @@ def test_planner_figure_reads_well():
     check_figure(fig)
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert ticks[:3] == ["256", "512", "1k"] and ticks[-1] == "8k"
+
+
+def test_bench_tail_figure_reads_well_and_names_its_tail():
+    """bench tail's four panels (its PNGs are committed in docs/): labelled, >= 8 pt, legends off
+    the data, plain log ticks; a sweep of 12-request runs calls its tail "max"."""
+    from jupyter_pagedkv.bench.tail import max_rate_under, tail_figure
+    from jupyter_pagedkv.sim.summary import RequestTiming, RunSummary
+
+    def run(n: int, slow: float) -> RunSummary:
+        timings = [RequestTiming(str(i), 0.0, slow * (1 + i % 3), slow * (5 + i), 10) for i in range(n)]
+        return RunSummary("x", timings, 10.0, 0.9 / slow, n)
+
+    rates = [0.5, 1.0, 2.0, 3.0]
+    for n, name in ((12, "max"), (40, "P99")):
+        scale = {"label": "test", "rates": rates, "bound": 30.0, "ttft_bound": 5.0,
+                 "runs": {"paged": [run(n, s) for s in (1, 1.2, 1.5, 2)],
+                          "contiguous": [run(n, s) for s in (0.5, 3, 6, 9)]}}
+        fig = tail_figure(scale)
+        check_figure(fig, expect_labels=("(s)", "(requests/s)", "(%)"))
+        legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert f"paged {name}" in legend
+        lat = [s.latency_tail() for s in scale["runs"]["contiguous"]]
+        assert 0.5 < max_rate_under(scale["runs"]["contiguous"], rates, 30.0) == pytest.approx(
+            capacity_at(rates, lat, 30.0))
