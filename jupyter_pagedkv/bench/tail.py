@@ -11,9 +11,10 @@ and P50/P99 TTFT and end-to-end latency; then swap vs recompute preemption under
 - sim:  Llama-3-70B on H100-80GB GPUs through the simulator (the engine's own scheduler and
         block pool; thousands of requests), plus one 10,000-request run timed end to end.
 
-The headline is the highest swept rate each allocator sustains under a P99 bound, on end-to-end
-latency and on time to first token (the interactive SLO: how long a user waits before anything
-streams; contiguous reservation hurts it first, because requests queue for a reservation).
+The headline is the rate each allocator sustains under a tail bound (interpolated between the
+swept rates), on end-to-end latency and on time to first token (the interactive SLO: how long a
+user waits before anything streams; contiguous reservation hurts it first, because requests queue
+for a reservation). The tail is P99, or the maximum for runs of fewer than 20 requests.
 """
 from __future__ import annotations
 
