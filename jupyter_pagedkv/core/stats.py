@@ -97,11 +97,9 @@ class EngineStats:
             lines.append(f"speculative: {self.spec_accepted_tokens} / {self.spec_proposed_tokens} draft "
                          f"tokens accepted ({self.spec_acceptance_rate:.1%}), "
                          f"{self.spec_mean_accepted_length:.2f} per verification")
-        ttft = self.latency_percentiles.get("ttft")
-        if ttft:
-            lat = self.latency_percentiles["latency"]
-            lines.append(f"latency: TTFT p50 {ttft['p50']*1e3:.0f} ms / p99 {ttft['p99']*1e3:.0f} ms, "
-                         f"end-to-end p50 {lat['p50']:.2f} s / p99 {lat['p99']:.2f} s")
+        latency = latency_line(self.latency_percentiles)
+        if latency:
+            lines.append(f"latency: {latency}")
         return "\n".join(lines)
 
 
@@ -145,15 +143,38 @@ class EngineCounters:
         self.throughput.record(now, tokens)
 
 
+MIN_TAIL_SAMPLES = 20
+"""Below this many samples a 99th percentile is the maximum (nearest rank) or nearly (interpolated),
+so every figure and status line calls it what it is: "max"."""
+
+
+def tail_name(num_samples: int, q: float = 99) -> str:
+    """The honest name of the q-th percentile of `num_samples` values: "P99", or "max" when too few
+    samples stand behind it to call it a percentile."""
+    return f"P{q:g}" if num_samples >= MIN_TAIL_SAMPLES else "max"
+
+
 def percentiles(samples: dict[str, Iterable[float | None]]) -> dict[str, dict[str, float]]:
-    """p50 / p90 / p99 of each named sample (None values skipped), nearest rank."""
+    """p50 / p90 / p99 of each named sample (None values skipped), nearest rank, and the count
+    behind them (a status line names the p99 of fewer than MIN_TAIL_SAMPLES "max")."""
     result = {}
     for name, values in samples.items():
         ordered = sorted(v for v in values if v is not None)
         if ordered:
             pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-            result[name] = {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+            result[name] = {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "count": len(ordered)}
     return result
+
+
+def latency_line(p: dict[str, dict[str, float]]) -> str | None:
+    """ "TTFT p50 .. ms / p99 .. ms, end-to-end p50 .. s / p99 .. s" (with "max" for "p99" below
+    MIN_TAIL_SAMPLES requests), or None before any request finished."""
+    ttft, lat = p.get("ttft"), p.get("latency")
+    if not ttft or not lat:
+        return None
+    t = tail_name(int(ttft.get("count", 0))).lower()
+    return (f"TTFT p50 {ttft['p50']*1e3:.0f} ms / {t} {ttft['p99']*1e3:.0f} ms, "
+            f"end-to-end p50 {lat['p50']:.2f} s / {t} {lat['p99']:.2f} s")
 
 
 def latency_percentiles(metrics: Iterable[Any]) -> dict[str, dict[str, float]]:

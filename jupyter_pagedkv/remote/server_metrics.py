@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..core.stats import EngineStats
+from ..core.stats import EngineStats, latency_line
 
 _SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -100,10 +100,8 @@ class RemoteStats(EngineStats):
         ]
         if self.kv_event_blocks is not None:
             lines.append(f"KV events: {self.kv_event_blocks} full blocks in the server's prefix cache")
-        ttft = self.latency_percentiles.get("ttft")
-        if ttft:
-            lat = self.latency_percentiles["latency"]
-            lines.append(f"latency (this client's requests): TTFT p50 {ttft['p50']*1e3:.0f} ms / p99 "
-                         f"{ttft['p99']*1e3:.0f} ms, end-to-end p50 {lat['p50']:.2f} s / p99 {lat['p99']:.2f} s")
+        latency = latency_line(self.latency_percentiles)
+        if latency:
+            lines.append(f"latency (this client's requests): {latency}")
         lines += self.notes
         return "\n".join(lines)

@@ -7,6 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..core.stats import MIN_TAIL_SAMPLES, tail_name
+
 
 @dataclass(frozen=True, slots=True)
 class RequestTiming:
@@ -28,17 +30,6 @@ class RequestTiming:
 def percentile(values, q: float) -> float:
     """Linear-interpolated percentile (numpy's default); nan for no values."""
     return float(np.percentile(values, q)) if len(values) else float("nan")
-
-
-MIN_TAIL_SAMPLES = 20
-"""Below this many samples a 99th percentile is just the maximum (interpolated between the two
-largest), so figures call it what it is: "max"."""
-
-
-def tail_name(num_samples: int, q: float = 99) -> str:
-    """The honest name of the q-th percentile of `num_samples` values: "P99", or "max" when too few
-    samples stand behind it to call it a percentile."""
-    return f"P{q:g}" if num_samples >= MIN_TAIL_SAMPLES else "max"
 
 
 def tail(values, q: float = 99) -> float:

@@ -123,3 +123,18 @@ def test_small_runs_report_max_not_p99():
     assert tail_name(len(big)) == "P99" and tail(big) == pytest.approx(99.01)
     run = RunSummary("r", [RequestTiming(str(i), 0.0, 0.1 * i, float(i), 4) for i in range(1, 6)], 5.0, 0.5, 5)
     assert run.tail_name == "max" and run.latency_tail() == 5.0 and " max " in run.line() and "p99" not in run.line()
+
+
+def test_status_lines_name_a_small_tail_max():
+    """`%pagedkv status` (EngineStats.summary) and the server client's line: over 5 requests the
+    nearest-rank p99 is the maximum, and is named so; over 25 it is a p99."""
+    from types import SimpleNamespace
+
+    from jupyter_pagedkv.core.stats import latency_line, latency_percentiles
+
+    few = latency_percentiles(SimpleNamespace(ttft=0.1 * i, tpot=0.01, latency=float(i)) for i in range(1, 6))
+    assert few["latency"]["count"] == 5 and few["latency"]["p99"] == 5.0
+    assert latency_line(few) == "TTFT p50 300 ms / max 500 ms, end-to-end p50 3.00 s / max 5.00 s"
+    many = latency_percentiles(SimpleNamespace(ttft=0.1, tpot=0.01, latency=float(i)) for i in range(1, 26))
+    assert " / p99 " in latency_line(many) and "max" not in latency_line(many)
+    assert latency_line({}) is None
