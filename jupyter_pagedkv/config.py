@@ -65,6 +65,9 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "most tokens computed in one step", metavar="N")
     enable_prefix_caching: bool = option(True, "reuse cached prompt prefixes",
                                          flag="--no-prefix-caching")
+    prefix_cache_scope: str = option("global", "whose cached prefixes a request may hit: everyone's "
+                                     "(global, vLLM's default) or its own tenant's only (tenant)",
+                                     choices=("global", "tenant"))
     preemption_mode: str = option("recompute", "what to do when blocks run out",
                                   flag="--preemption", choices=("recompute", "swap"))
     swap_space: str | int | None = option(None, "host memory for swapped-out blocks (default 1GiB)",

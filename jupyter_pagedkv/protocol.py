@@ -24,8 +24,10 @@ class EngineClient(Protocol):
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, listener: queue.SimpleQueue | None = None) -> str:
-        """Queue one request; its StreamDeltas go to `listener`. Bad input: ValueError, one line."""
+                    priority: int = 0, listener: queue.SimpleQueue | None = None,
+                    tenant: str | None = None) -> str:
+        """Queue one request; its StreamDeltas go to `listener`. Bad input: ValueError, one line.
+        `tenant` names who sent it (prefix isolation under prefix_cache_scope="tenant")."""
 
     def abort(self, request_id: str) -> bool:
         """Cancel a live request and free what it holds; False if it was not live."""
@@ -33,13 +35,13 @@ class EngineClient(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]: ...
+                 use_tqdm: bool = False, tenant: str | None = None) -> list[RequestOutput]: ...
 
     def chat(self, messages: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]: ...
+             use_tqdm: bool = False, tenant: str | None = None) -> list[RequestOutput]: ...
 
     def stream(self, prompt: Any, params: SamplingParams | None = None,
-               request_id: str | None = None) -> Iterator[StreamDelta]: ...
+               request_id: str | None = None, tenant: str | None = None) -> Iterator[StreamDelta]: ...
 
     @property
     def has_chat_template(self) -> bool: ...

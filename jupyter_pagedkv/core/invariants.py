@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def check_invariants(scheduler: Scheduler, swap: SwapSpace | None = None) -> None:
-    """Assert invariants 1-6; an AssertionError names the sequence or block that breaks one."""
+    """Assert invariants 1-7; an AssertionError names the sequence or block that breaks one."""
     pool, arena = scheduler.pool, scheduler.arena
     bs = pool.block_size
     expected: Counter[int] = Counter()
@@ -38,6 +38,9 @@ def check_invariants(scheduler: Scheduler, swap: SwapSpace | None = None) -> Non
                 assert list(block.token_ids) == seq.token_ids[i * bs:(i + 1) * bs], (
                     f"{seq.request_id}: block {block.block_id} content differs from its hash "
                     f"(invariant 3)")
+                assert block.extra_key == seq.extra_key, (
+                    f"{seq.request_id} (tenant {seq.tenant!r}) holds cached block {block.block_id} salted "
+                    f"{block.extra_key!r}, not {seq.extra_key!r}: a prefix crossed tenants (invariant 7)")
     pool.check_invariants(expected)          # invariants 1-3 and the gauge counters
     if arena is not None:
         arena.check_invariants()

@@ -46,7 +46,8 @@ class Sequence:
     # Chained hashes of the full blocks of token_ids, extended lazily; valid across preemption.
     block_hashes: list[int] = field(default_factory=list)
     text: str = ""
-    extra_key: object = None
+    extra_key: object = None   # salts the block hash chain: ("tenant", name) under prefix_cache_scope="tenant"
+    tenant: str | None = None  # who the request belongs to (None: nobody named)
     sample_index: int = 0   # which of a request's n samples this is
     swap_slots: list[int] = field(default_factory=list)   # host slots, in block-table order
     swapped_num_slots: int = 0                           # table.num_slots when swapped out

@@ -183,7 +183,8 @@ def spawn(parent: Sequence, scheduler: Scheduler) -> Sequence:
                      table, parent.arrival_time, parent.priority,
                      num_computed_tokens=parent.num_computed_tokens if running else 0,
                      num_cached_tokens=parent.num_cached_tokens,
-                     block_hashes=list(parent.block_hashes), extra_key=parent.extra_key)
+                     block_hashes=list(parent.block_hashes), extra_key=parent.extra_key,
+                     tenant=parent.tenant)
     if running:
         scheduler.add_running(child)
     else:

@@ -69,6 +69,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         self.block_size = bs = config.block_size
         num_blocks = setup.num_blocks(config, self.spec, self.device)
         self.allocator, self.preemption_mode, self.seed = config.allocator, config.preemption_mode, config.seed
+        self.prefix_cache_scope = config.prefix_cache_scope
         # The contiguous baseline shares nothing, so it caches no prefix either.
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching and self.allocator == "paged")
         pad = config.pad_decode or config.cuda_graphs
@@ -154,8 +155,11 @@ class Engine(Stepping, EngineInspection, GenerationFront):
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: intake.Prompt, params: SamplingParams | BeamSearchParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    listener: queue.SimpleQueue | None = None) -> str:
+                    listener: queue.SimpleQueue | None = None, tenant: str | None = None) -> str:
         """Queue one request; returns its id. Bad input raises ValueError before anything is queued.
+
+        `tenant` names who sent it; under `prefix_cache_scope="tenant"` it salts the request's
+        block hash chain, so its blocks are found only by requests of the same tenant.
 
         `listener` receives the request's StreamDeltas from its first token on; attaching it here,
         under the lock, means a background step can never run before it is in place. With
@@ -176,15 +180,18 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         params = intake.within_context(ids, params, self.max_model_len)
         intake.check_fits(ids, params, self.max_model_len, self.block_size, self.pool.num_blocks)
         intake.check_stop_ids(params, self.vocab_size)
+        tenant = intake.check_tenant(tenant)
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             now = time.perf_counter()
-            seq = Sequence(rid, list(ids), len(ids), params, BlockTable(self.pool), now, priority)
+            seq = Sequence(rid, list(ids), len(ids), params, BlockTable(self.pool), now, priority,
+                           extra_key=("tenant", tenant) if self.prefix_cache_scope == "tenant" else None,
+                           tenant=tenant)
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed)
-            req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now), beam=beam)
+            req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now), beam=beam, tenant=tenant)
             if listener is not None:
                 req.listeners.append(listener)
             self._requests[rid] = req
@@ -221,14 +228,14 @@ class Engine(Stepping, EngineInspection, GenerationFront):
 
     # -- the front (generate / chat / stream come from GenerationFront) -----------------------------
     def beam_search(self, prompts, params: BeamSearchParams | None = None,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False, tenant: str | None = None) -> list[BeamSearchOutput]:
         """Beam search each prompt (run together); one BeamSearchOutput per prompt, best first."""
         from .frontend import prompt_list
         params = params or BeamSearchParams()
         if not isinstance(params, BeamSearchParams):
             raise ValueError("beam_search takes BeamSearchParams(beam_width=..., max_tokens=...)")
         prompts = prompt_list(prompts)
-        ids = self._submit_all(prompts, [params] * len(prompts))
+        ids = self._submit_all(prompts, [params] * len(prompts), tenant)
         reqs = [self._handle(rid) for rid in ids]
         self._wait(ids, use_tqdm)
         return [BeamSearchOutput(r.request_id, r.prompt, r.prompt_token_ids, list(r.beam.sequences))

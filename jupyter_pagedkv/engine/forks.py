@@ -22,7 +22,7 @@ def fork_samples(req: Request, seq: Sequence, scheduler: Scheduler) -> list[Sequ
                          seq.block_table.fork(), seq.arrival_time, seq.priority,
                          num_computed_tokens=seq.num_computed_tokens,
                          num_cached_tokens=seq.num_cached_tokens,
-                         block_hashes=list(seq.block_hashes), extra_key=seq.extra_key)
+                         block_hashes=list(seq.block_hashes), extra_key=seq.extra_key, tenant=seq.tenant)
         child.sample_index = i
         if seq.params.seed is not None:
             # Sample i of seed s is reproducible on its own, whatever else runs.

@@ -1,7 +1,7 @@
 """GenerationFront: `generate`, `chat` and `stream` on top of `add_request` / `abort`, shared by
 the local engine and the server client so both behave the same to a caller.
 
-A host provides `add_request(prompt, params, request_id=None, priority=0, listener=None)`,
+A host provides `add_request(prompt, params, request_id=None, priority=0, listener=None, tenant=None)`,
 `abort(request_id)`, `is_running` (a loop steps it in the background), `step()` (called by the
 caller's thread otherwise), `_handle(request_id)` (an object with a `done` Event and an `error`),
 `_result(handle)` (its RequestOutput) and `apply_chat_template(messages)`.
@@ -59,24 +59,25 @@ class GenerationFront:
     """The high-level calls; see the module docstring for what a host must provide."""
 
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion together; one RequestOutput per prompt, in order."""
+                 use_tqdm: bool = False, tenant: str | None = None) -> list[RequestOutput]:
+        """Run prompts to completion together; one RequestOutput per prompt, in order. `tenant`
+        names who sends them all (see `add_request`)."""
         prompts = prompt_list(prompts)
-        return self._wait(self._submit_all(prompts, param_list(params, len(prompts))), use_tqdm)
+        return self._wait(self._submit_all(prompts, param_list(params, len(prompts)), tenant), use_tqdm)
 
     def chat(self, messages, params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, tenant: str | None = None) -> list[RequestOutput]:
         """Chat-template one conversation (a list of {role, content}) or a list of them, then generate."""
         if not isinstance(messages, (list, tuple)) or not messages:
             check_messages(messages)
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in conversations], params, use_tqdm)
+        return self.generate([self.apply_chat_template(c) for c in conversations], params, use_tqdm, tenant)
 
     def stream(self, prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> Iterator[StreamDelta]:
+               request_id: str | None = None, tenant: str | None = None) -> Iterator[StreamDelta]:
         """Yield text increments as they are generated; closing the iterator aborts the request."""
         listener: queue.SimpleQueue = queue.SimpleQueue()
-        rid = self.add_request(prompt, params, request_id, listener=listener)
+        rid = self.add_request(prompt, params, request_id, listener=listener, tenant=tenant)
         handle = self._handle(rid)
         try:
             while True:
@@ -98,12 +99,12 @@ class GenerationFront:
                 self.abort(rid)
 
     # -- shared -------------------------------------------------------------------------------------
-    def _submit_all(self, prompts: list, params: list) -> list[str]:
+    def _submit_all(self, prompts: list, params: list, tenant: str | None = None) -> list[str]:
         """Add every request, or none: a rejected one aborts those already added."""
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):
-                ids.append(self.add_request(p, sp))
+                ids.append(self.add_request(p, sp, tenant=tenant))
         except BaseException:
             for rid in ids:
                 self.abort(rid)

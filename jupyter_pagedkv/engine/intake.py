@@ -79,3 +79,13 @@ def beam_state(ids: list[int], params: BeamSearchParams, eos_token_ids: set[int]
                          f"pool has {num_blocks}: lower beam_width or max_tokens, or load "
                          f"with more num_blocks / kv_cache_memory")
     return beam
+
+
+def check_tenant(tenant: object) -> str | None:
+    """A tenant is None (nobody named) or a non-empty name; anything else is one clear line."""
+    if tenant is None:
+        return None
+    if not isinstance(tenant, str) or not tenant.strip():
+        raise ValueError(f"tenant must be a non-empty string such as 'alice' (or None), got {tenant!r}")
+    return tenant
+

@@ -101,7 +101,7 @@ class OutputProcessor:
                            for i, b in enumerate(req.beam.sequences)]
         cached = req.seqs[0].num_cached_tokens or 0
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.finished, cached, req.metrics)
+                             req.finished, cached, req.metrics, req.tenant)
 
     def publish(self, req: Request) -> None:
         """Send each listener the text and tokens added since the last update."""

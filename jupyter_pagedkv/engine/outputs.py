@@ -58,6 +58,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    tenant: str | None = None
 
     @property
     def text(self) -> str:

@@ -27,6 +27,7 @@ class Request:
     sent_tokens: list[int] = field(default_factory=list)
     error: BaseException | None = None
     beam: BeamSearch | None = None      # set for beam search requests
+    tenant: str | None = None           # who sent it: prefix isolation and per-tenant figures
 
     @property
     def finished(self) -> bool:

@@ -255,7 +255,7 @@ class PagedKVMagics(Magics):
                 head = [{"role": "system", "content": args.system}] if args.system is not None else []
                 prompts.append(engine.apply_chat_template(head + [{"role": "user", "content": text}]))
         labels = [f"[{i + 1}] {_short(t)}" for i, t in enumerate(texts)]
-        run = CellRun(engine, labels)
+        run = CellRun(engine, labels, args.tenant)
         if args.background:
             self._start_background(run, prompts, params, args.out, args.no_stream, args.format)
             return
@@ -295,11 +295,16 @@ class PagedKVMagics(Magics):
             raise UsageError("this model's tokenizer has no chat template: use %%generate --raw")
         params = self._params(args)
         chat = self.session.chat(name)
+        if args.tenant is not None and chat.num_turns and args.tenant != chat.tenant:
+            raise UsageError(f"chat session {name!r} belongs to tenant {chat.tenant!r}: continue it without "
+                             f"--tenant, or start another session for {args.tenant!r}")
+        if chat.num_turns == 0 and args.tenant is not None:
+            chat.tenant = args.tenant
         if args.system is not None:
             chat.system = args.system
         message = interpolate(message, self.shell.user_ns)
         prompt = chat.prompt_ids(engine, message)
-        run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"])
+        run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"], chat.tenant)
         outputs = self._run_cell(run, [prompt], params, f"chat {name}", args.no_stream, args.format)
         chat.record(message, outputs[0])
         if args.out:

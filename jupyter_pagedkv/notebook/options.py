@@ -101,6 +101,9 @@ def sampling_arguments(f: Callable) -> Callable:
         argument("--stop", action="append", default=None, metavar="S",
                  help="stop when the text contains S (repeatable; \\n and \\t are understood)"),
         argument("--system", default=None, metavar="TEXT", help="system message for the chat template"),
+        argument("--tenant", default=None, metavar="NAME",
+                 help="who sends the cell's requests (with --prefix-cache-scope tenant at load, a tenant "
+                      "hits only its own cached prefixes)"),
         argument("--out", default=None, metavar="VAR",
                  help="store the RequestOutput (a list for several prompts) in variable VAR"),
         argument("--no-stream", action="store_true", help="show the text only when it is complete"),

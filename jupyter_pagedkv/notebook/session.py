@@ -69,6 +69,7 @@ class ChatSession:
     token_ids: list[int] = field(default_factory=list)
     outputs: list[RequestOutput] = field(default_factory=list)
     reused_tokens: bool = False   # whether the last prompt extended token_ids (vs re-templated)
+    tenant: str | None = None     # a conversation belongs to one tenant, fixed by its first turn
 
     @property
     def num_turns(self) -> int:

@@ -88,8 +88,9 @@ class Throttle:
 class CellRun:
     """The requests of one cell: added with one shared listener, waited on and aborted together."""
 
-    def __init__(self, engine: EngineClient, labels: Sequence[str]) -> None:
+    def __init__(self, engine: EngineClient, labels: Sequence[str], tenant: str | None = None) -> None:
         self.engine = engine
+        self.tenant = tenant
         self.queue: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
         self.panels: list[Panel] = []
         self._labels = list(labels)
@@ -102,7 +103,7 @@ class CellRun:
         """Add every prompt; if one is rejected (ValueError), abort the ones already added."""
         try:
             for prompt, label in zip(prompts, self._labels):
-                rid = self.engine.add_request(prompt, params, listener=self.queue)
+                rid = self.engine.add_request(prompt, params, listener=self.queue, tenant=self.tenant)
                 self.panels.append(Panel(rid, label))
         except BaseException:
             self.abort()

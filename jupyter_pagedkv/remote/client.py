@@ -196,8 +196,12 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         return ChatPrompt(tuple(dict(m) for m in messages))
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, listener: queue.SimpleQueue | None = None) -> str:
+                    priority: int = 0, listener: queue.SimpleQueue | None = None,
+                    tenant: str | None = None) -> str:
         """Start one streamed request on its own thread; returns its id (as the local engine's)."""
+        if tenant is not None:
+            raise ValueError("tenant= is not sent to a server yet (vLLM's cache_salt is the planned carrier): "
+                             "leave it out for a RemoteEngine, or use a local Engine")
         params = params or SamplingParams()
         params.validate()
         body = self._body(prompt, params)
