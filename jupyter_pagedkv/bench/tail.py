@@ -164,13 +164,21 @@ def report(scale: dict) -> dict:
         paged = max_rate_under(runs["paged"], rates, bound, metric)
         contig = max_rate_under(runs["contiguous"], rates, bound, metric)
         ratio = rate_ratio(paged, contig)
-        verdict = (f"{ratio:.1f}x" if math.isfinite(ratio) else
+        # A curve that never crosses the bound sustains at least the highest swept rate: say so,
+        # rather than print a ratio the sweep cannot measure.
+        never = {a: all(tail_of(s, metric) <= bound for s in runs[a]) for a in runs}
+        shown = {a: (f">= {r:.2f}" if never[a] else f"{r:.2f}") for a, r in (("paged", paged), ("contiguous", contig))}
+        verdict = ("both within the bound at every swept rate: sweep higher rates to tell them apart"
+                   if never["paged"] and never["contiguous"] else
+                   f">= {ratio:.1f}x (paged never crossed the bound)" if never["paged"] and math.isfinite(ratio) else
+                   f"{ratio:.1f}x" if math.isfinite(ratio) else
                    "paged only: lower the rates to find contiguous's" if paged else
                    "neither: lower the rates or raise the bound")
         tail = runs["paged"][0].tail_name
         print(f"  rate at which {tail} {what} reaches {bound:g} s (interpolated between swept rates): "
-              f"paged {paged:.2f} req/s, contiguous {contig:.2f} req/s -> {verdict}")
-        out[metric] = {"bound_s": bound, "paged_max_rate": paged, "contiguous_max_rate": contig, "rate_ratio": ratio}
+              f"paged {shown['paged']} req/s, contiguous {shown['contiguous']} req/s -> {verdict}")
+        out[metric] = {"bound_s": bound, "paged_max_rate": paged, "contiguous_max_rate": contig, "rate_ratio": ratio,
+                       "paged_never_crossed": never["paged"], "contiguous_never_crossed": never["contiguous"]}
     print(f"  swap vs recompute at {scale['pressure_rate']:g} req/s: {swp.tail_name} latency "
           f"{swp.latency_tail():.2f} s vs {rec.latency_tail():.2f} s "
           f"({swp.latency_tail() / rec.latency_tail():.2f}x); preemptions {swp.num_preemptions} vs "
@@ -213,7 +221,7 @@ def tail_figure(scale: dict):
     axes[2].set(xlabel="request rate (requests/s)", ylabel="generated tokens/s", title="throughput")
     axes[3].set(xlabel="request rate (requests/s)", ylabel="tokens stored / slots reserved (%)", ylim=(0, 105),
                 title="KV utilisation")
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=FONT)
@@ -223,6 +231,7 @@ def tail_figure(scale: dict):
         # Below the axes, never on the data; vertical dotted lines mark where a tail crosses its bound.
         ax.legend(fontsize=FONT, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
         if ax.get_yscale() == "log":      # plain numbers, no colliding "3x10^2 4x10^2" minor labels
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))   # 1 2 5 10 20 50 ...
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.yaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(scale["label"] + ("" if tail == "P99" else f" (tail = max: fewer than 20 requests per run)"),

@@ -139,3 +139,23 @@ def test_bench_tail_figure_reads_well_and_names_its_tail():
         lat = [s.latency_tail() for s in scale["runs"]["contiguous"]]
         assert 0.5 < max_rate_under(scale["runs"]["contiguous"], rates, 30.0) == pytest.approx(
             capacity_at(rates, lat, 30.0))
+
+
+def test_bench_tail_says_when_a_sweep_never_reaches_the_bound(capsys):
+    """A curve that stays under its bound at every swept rate has no measured capacity: the report
+    says ">=" and, when neither crosses, that the sweep must go higher, instead of a ratio."""
+    from jupyter_pagedkv.bench.tail import report
+    from jupyter_pagedkv.sim.summary import RequestTiming, RunSummary
+
+    def run(slow: float, ttft: float) -> RunSummary:    # 12 requests: max e2e 13 x slow, TTFT ttft
+        return RunSummary("x", [RequestTiming(str(i), 0.0, ttft, slow * (2 + i), 10) for i in range(12)], 10.0, 0.9, 4)
+
+    rates = [1.0, 2.0]
+    scale = {"label": "test", "rates": rates, "bound": 60.0, "ttft_bound": 5.0,
+             "runs": {"paged": [run(1, 1), run(2, 2)], "contiguous": [run(1, 1), run(4, 6)]},
+             "preempt": {"recompute": run(1, 1), "swap": run(1, 1)}, "pressure_rate": 2.0}
+    out = report(scale)
+    text = capsys.readouterr().out
+    assert "max end-to-end latency reaches 60 s" in text and "sweep higher rates to tell them apart" in text
+    assert "paged >= 2.00 req/s, contiguous 1.80 req/s -> >= 1.1x (paged never crossed the bound)" in text
+    assert out["ttft"]["paged_never_crossed"] and not out["ttft"]["contiguous_never_crossed"]
