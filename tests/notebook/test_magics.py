@@ -432,6 +432,22 @@ def test_pagedkv_plan_bad_input_is_one_line(ip):
         run(ip, "%pagedkv plan")
 
 
+def test_generate_and_chat_carry_a_tenant(ip):
+    """--tenant reaches the request (RequestOutput.tenant); a chat session belongs to the tenant of
+    its first turn; a bad name is one UsageError line, nothing left running."""
+    run(ip, f"{GEN} --tenant alice --out t_out\nName a colour.")
+    assert ip.user_ns["t_out"].tenant == "alice"
+    run(ip, "%%chat tenant_s --max-tokens 4 --tenant bob --out t_chat\nHi!")
+    assert ip.user_ns["t_chat"].tenant == "bob"
+    run(ip, "%%chat tenant_s --max-tokens 4 --out t_chat\nAnd again?")          # continues as bob
+    assert ip.user_ns["t_chat"].tenant == "bob"
+    with pytest.raises(UsageError, match=r"chat session 'tenant_s' belongs to tenant 'bob': .* for 'carol'"):
+        run(ip, "%%chat tenant_s --max-tokens 4 --tenant carol\nMine now?")
+    with pytest.raises(UsageError, match=r"^tenant must be a non-empty string such as 'alice'"):
+        run(ip, f'{GEN} --tenant " "\nName a colour.')
+    run(ip, "%chat tenant_s --reset")
+
+
 # -- reload, unload (last: they take the module's engine away) ------------------------------------------
 
 def test_loading_again_replaces_the_engine_cleanly(ip, capsys):
@@ -464,19 +480,3 @@ def test_unload_gives_the_memory_back(ip, capsys):
     import gc
     gc.collect()
     assert [r() is None for r in refs] == [True] * len(refs)
-
-
-def test_generate_and_chat_carry_a_tenant(ip):
-    """--tenant reaches the request (RequestOutput.tenant); a chat session belongs to the tenant of
-    its first turn; a bad name is one UsageError line, nothing left running."""
-    run(ip, f"{GEN} --tenant alice --out t_out\nName a colour.")
-    assert ip.user_ns["t_out"].tenant == "alice"
-    run(ip, "%%chat tenant_s --max-tokens 4 --tenant bob --out t_chat\nHi!")
-    assert ip.user_ns["t_chat"].tenant == "bob"
-    run(ip, "%%chat tenant_s --max-tokens 4 --out t_chat\nAnd again?")          # continues as bob
-    assert ip.user_ns["t_chat"].tenant == "bob"
-    with pytest.raises(UsageError, match=r"chat session 'tenant_s' belongs to tenant 'bob': .* for 'carol'"):
-        run(ip, "%%chat tenant_s --max-tokens 4 --tenant carol\nMine now?")
-    with pytest.raises(UsageError, match=r"^tenant must be a non-empty string such as 'alice'"):
-        run(ip, f'{GEN} --tenant " "\nName a colour.')
-    run(ip, "%chat tenant_s --reset")

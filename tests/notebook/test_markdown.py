@@ -145,7 +145,7 @@ class PausingEngine:
         self.release = threading.Event()
         self.listener = None
 
-    def add_request(self, prompt, params, listener):
+    def add_request(self, prompt, params, listener, tenant=None):
         self.listener = listener
         return "r1"
 
