@@ -8,14 +8,14 @@ view written against it draws a server exactly as it draws the kernel's own engi
 from __future__ import annotations
 
 import queue
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Protocol, Self, Sequence, runtime_checkable
 
 from .core.sampling_params import SamplingParams
 from .core.stats import EngineStats
 from .engine.outputs import EngineInfo, Observation, RequestOutput, RequestRow, StreamDelta
 
 __all__ = ["EngineClient", "EngineInfo", "EngineStats", "Observation", "RequestOutput", "RequestRow",
-           "StreamDelta"]
+           "StepObserver", "StreamDelta"]
 
 
 @runtime_checkable
@@ -89,3 +89,22 @@ class EngineClient(Protocol):
 
     def monitor(self, **kwargs: Any) -> Any:
         """The live block-pool widget of this engine."""
+
+
+class StepObserver:
+    """Base of the `with Reader(engine) as r: ...run...` objects that read an engine after every
+    step (PoolRecorder, WasteMeter, FrameAt): entering adds `_on_step` as a step listener, leaving
+    removes it, also when the run inside raised. `_on_step` runs in the stepping thread under the
+    engine's lock, so what it reads describes one instant; it must stay cheap."""
+
+    engine: EngineClient
+
+    def __enter__(self) -> Self:
+        self.engine.add_step_listener(self._on_step)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.remove_step_listener(self._on_step)
+
+    def _on_step(self) -> None:
+        raise NotImplementedError

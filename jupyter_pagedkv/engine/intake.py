@@ -88,4 +88,3 @@ def check_tenant(tenant: object) -> str | None:
     if not isinstance(tenant, str) or not tenant.strip():
         raise ValueError(f"tenant must be a non-empty string such as 'alice' (or None), got {tenant!r}")
     return tenant
-

@@ -157,4 +157,3 @@ class QueueHead:
         """External fragmentation, now: never under paging, where any free block serves any table."""
         return (self.free_runs is not None and self.blocks_needed <= self.free_blocks
                 and max(self.free_runs, default=0) < self.blocks_needed)
-

@@ -295,10 +295,10 @@ class PagedKVMagics(Magics):
             raise UsageError("this model's tokenizer has no chat template: use %%generate --raw")
         params = self._params(args)
         chat = self.session.chat(name)
-        if args.tenant is not None and chat.num_turns and args.tenant != chat.tenant:
-            raise UsageError(f"chat session {name!r} belongs to tenant {chat.tenant!r}: continue it without "
-                             f"--tenant, or start another session for {args.tenant!r}")
-        if chat.num_turns == 0 and args.tenant is not None:
+        if args.tenant is not None:
+            if chat.num_turns and args.tenant != chat.tenant:
+                raise UsageError(f"chat session {name!r} belongs to tenant {chat.tenant!r}: continue it "
+                                 f"without --tenant, or start another session for {args.tenant!r}")
             chat.tenant = args.tenant
         if args.system is not None:
             chat.system = args.system

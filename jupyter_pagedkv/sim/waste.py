@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..protocol import StepObserver
+
 CATEGORIES = ("stored", "reservation", "internal", "external", "free")
 
 
@@ -92,7 +94,7 @@ class _SeqSample:
 
 
 @dataclass
-class WasteMeter:
+class WasteMeter(StepObserver):
     """`with WasteMeter(engine) as meter: ...run...` then `meter.breakdown()`.
 
     Reads the engine between steps through its step-listener hook (the one `PoolRecorder` uses)
@@ -103,40 +105,38 @@ class WasteMeter:
     _samples: list[list[_SeqSample]] = field(default_factory=list)
     _free: list[tuple[int, bool]] = field(default_factory=list)     # (free slots, head refused by layout)
     _seqs: dict[tuple[str, int], Any] = field(default_factory=dict)
+    _block_size: int = field(init=False)
+    _num_blocks: int = field(init=False)
     admitted_at: dict[tuple[str, int], int] = field(default_factory=dict)
     """Per sequence, the first recorded step (1-based, of this recording) after which it held blocks:
     waiting time counted in engine steps, which a deterministic run repeats exactly."""
 
     def __post_init__(self) -> None:
         self.label = self.label or getattr(self.engine, "allocator", "paged")
-
-    def __enter__(self) -> WasteMeter:
-        self.engine.add_step_listener(self._on_step)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.engine.remove_step_listener(self._on_step)
+        info = self.engine.info()               # the pool's geometry is fixed: read it once
+        self._block_size, self._num_blocks = info.block_size, info.num_blocks
 
     def _on_step(self) -> None:
-        info = self.engine.info()
-        bs = info.block_size
-        step = []
+        bs = self._block_size
+        step: list[_SeqSample] = []
+        held: list[int] = []
         for req in self.engine.live_requests():
             for seq in req.seqs:
                 if seq.is_finished:
                     continue
                 key = (req.request_id, seq.sample_index)
                 self._seqs[key] = seq
-                table = seq.block_table
-                if table.block_ids:
+                ids = seq.block_table.block_ids
+                if ids:
                     self.admitted_at.setdefault(key, len(self._samples) + 1)
-                step.append(_SeqSample(key, len(table.block_ids) * bs, table.num_slots))
-        if self.engine.stats().num_shared:
+                step.append(_SeqSample(key, len(ids) * bs, seq.block_table.num_slots))
+                held.extend(ids)
+        if len(held) != len(set(held)):           # a block in two tables: shared
             raise RuntimeError("WasteMeter splits slots per sequence, so it needs an unshared pool: build "
                                "the engine with enable_prefix_caching=False and run n=1 requests")
         self._samples.append(step)
         # Ref-0 blocks (free or cached) are free here: the allocator may hand any of them out.
-        free_blocks = info.num_blocks - sum(s.held for s in step) // bs
+        free_blocks = self._num_blocks - len(held)
         self._free.append((free_blocks * bs, refused_by_layout(self.engine)))
 
     def final_kv_tokens(self, key: tuple[str, int]) -> int:
@@ -152,8 +152,7 @@ class WasteMeter:
         if unfinished:
             raise RuntimeError(f"{len(unfinished)} sequences are still running ({unfinished[0][0]}, ...): "
                                "call breakdown() after the run, when every final length is known")
-        info = self.engine.info()
-        capacity = info.num_blocks * info.block_size
+        capacity = self._num_blocks * self._block_size
         totals = dict.fromkeys(CATEGORIES, 0)
         for step, (free, refused) in zip(self._samples, self._free):
             for s in step:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from .pool_figure import FONT
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-FONT = 8                 # the smallest text drawn, in points
 COLOURS = ("#2a7ab9", "#d9552b", "#16a34a", "#7c3aed", "#b45309", "#0f766e")
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..protocol import StepObserver
+
 
 @dataclass(frozen=True)
 class SeqTable:
@@ -86,7 +88,7 @@ def capture(engine: Any, stage: str = "", note: str = "") -> PagingFrame:
                        tuple(snap["ref_counts"]), tuple(tables))
 
 
-class FrameAt:
+class FrameAt(StepObserver):
     """`with FrameAt(engine, step=k) as at: ...run...` keeps `at.frame`, the frame after step k (the
     engine's step count), or after the first step where `when(engine)` holds: a picture of one
     moment of a run that something else drives (`serve`, `generate`), taken between its steps.
@@ -98,13 +100,6 @@ class FrameAt:
             raise ValueError("give FrameAt either step= (the engine's step count) or when= (a predicate)")
         self.engine, self.step, self.when, self.stage, self.note = engine, step, when, stage, note
         self.frame: PagingFrame | None = None
-
-    def __enter__(self) -> FrameAt:
-        self.engine.add_step_listener(self._on_step)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.engine.remove_step_listener(self._on_step)
 
     def _on_step(self) -> None:
         if self.frame is not None:

@@ -11,13 +11,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .frames import FrameAt, PagingFrame, SeqTable, capture
-from .pool_figure import _MarkedSquare, cue_colours, state_colours
+from .pool_figure import FONT, _MarkedSquare, cue_colours, state_colours
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-FONT = 8                        # the smallest text any of these figures draws, in points
 STAGES = ("allocate", "grow", "fork", "copy-on-write", "cache hit", "preempt", "free")
 EMPTY_HATCH = "////"            # reserved but not filled: the contiguous baseline's waste
 INK = (0.15, 0.15, 0.15)

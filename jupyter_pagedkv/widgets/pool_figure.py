@@ -10,6 +10,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+FONT = 8    # the smallest text any committed figure draws, in points (tests/figure_checks.py checks it)
+
 STATIC = Path(__file__).resolve().parent / "static"
 ORDER = ("free", "cached", "used", "shared", "swapped", "speculative")
 
@@ -72,9 +74,9 @@ def _label_grid(ax, columns: int, rows: int, most: int = 12) -> None:
     ax.set_xticks([c + 0.5 for c in range(0, columns, col_step)], [f"+{c}" for c in range(0, columns, col_step)])
     ax.xaxis.tick_top()
     ax.xaxis.set_label_position("top")
-    ax.tick_params(labelsize=8, length=0, pad=2)
-    ax.set_xlabel("column: block id = row's first id + column", fontsize=8)
-    ax.set_ylabel("row's first block id", fontsize=8)
+    ax.tick_params(labelsize=FONT, length=0, pad=2)
+    ax.set_xlabel("column: block id = row's first id + column", fontsize=FONT)
+    ax.set_ylabel("row's first block id", fontsize=FONT)
     for side in ax.spines.values():
         side.set_visible(False)
 
@@ -105,7 +107,7 @@ def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=
         if state == "shared":
             ax.add_patch(Polygon([(x + 0.05, y + 0.95), (x + 0.45, y + 0.95), (x + 0.05, y + 0.55)],
                                  closed=True, lw=0, facecolor=cues["MARK"], gid="shared-mark"))
-            ax.text(x + 0.58, y + 0.42, str(ref), ha="center", va="center", fontsize=8, color=cues["MARK"])
+            ax.text(x + 0.58, y + 0.42, str(ref), ha="center", va="center", fontsize=FONT, color=cues["MARK"])
     ax.set(xlim=(0, columns), ylim=(0, rows), aspect="equal")
     _label_grid(ax, columns, rows)
     present = [s for s in ORDER if s in states] + sorted(set(states) - set(ORDER))
@@ -120,7 +122,7 @@ def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=
             handles.append(Patch(color=colour, label=f"{s} {counts[s]}"))
     handler_map = {h: _MarkedSquare() for h, s in zip(handles, present) if s == "shared"}
     ax.legend(handles=handles, handler_map=handler_map, loc="upper center", bbox_to_anchor=(0.5, 0.0),
-              ncol=len(present) if columns >= 12 else 3, fontsize=8, frameon=False)
+              ncol=len(present) if columns >= 12 else 3, fontsize=FONT, frameon=False)
     ax.set_title(title or f"{len(states)} blocks x {snapshot['block_size']} tokens", fontsize=9)
     if alone:
         ax.figure.tight_layout()

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .pool_figure import cue_colours, pool_figure, state_colours
+from ..protocol import StepObserver
+from .pool_figure import FONT, cue_colours, pool_figure, state_colours
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from ..core.stats import EngineStats
     from ..protocol import EngineClient
 
-FONT = 8                # the smallest text the figure draws, in points
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def busier(s: EngineStats, than: EngineStats | None) -> bool:
     return than is None or (s.num_used, s.num_block_refs) > (than.num_used, than.num_block_refs)
 
 
-class PoolRecorder:
+class PoolRecorder(StepObserver):
     """`with PoolRecorder(engine) as rec: ...` then `rec.figure()`, `rec.peak`, `rec.timeline`.
 
     `peak_stats` is the engine's stats at the busiest step (most blocks held, see the module
@@ -63,11 +63,7 @@ class PoolRecorder:
 
     def __enter__(self) -> PoolRecorder:
         self._t0 = time.perf_counter()
-        self.engine.add_step_listener(self._on_step)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.engine.remove_step_listener(self._on_step)
+        return super().__enter__()
 
     def _on_step(self) -> None:
         # Runs in the stepping thread under the engine's (re-entrant) lock, so the counts and the

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
+from .pool_figure import FONT
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from .pool_recorder import PoolPoint
 
-FONT = 8                 # the smallest text drawn, in points
 MODE_COLOURS = {"recompute": "#d9552b", "swap": "#2a7ab9"}
 POOL_COLOURS = ("#1f2937", "#7c3aed", "#0f766e")     # apart from the modes' colours
 

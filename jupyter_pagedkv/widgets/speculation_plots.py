@@ -12,12 +12,11 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from .pool_figure import state_colours
+from .pool_figure import FONT, state_colours
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-FONT = 8                                   # the smallest text these figures draw, in points
 ROLLED_BACK_HATCH = "xxx"                  # rolled-back slots: told apart from kept ones without hue
 PLAIN, NGRAM = (0.61, 0.64, 0.69), (0.0, 0.45, 0.70)   # grey and Okabe-Ito blue
 

@@ -14,6 +14,7 @@ from matplotlib.patches import ConnectionPatch, Rectangle  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
+from figure_checks import check_figure  # noqa: E402
 from jupyter_pagedkv.engine.engine import Engine  # noqa: E402
 from jupyter_pagedkv.widgets.paging_figures import (  # noqa: E402
     EMPTY_HATCH, FONT, STAGES, PagingFrame, block_table_figure, capture, contiguous_demo,
@@ -55,16 +56,13 @@ def visible_texts(fig) -> list[Text]:
 
 
 def assert_reads_well(fig) -> None:
-    """Labelled axes, text >= 8 pt, legends off every axes' data area, and no text overlapping."""
+    """The house rules (check_figure: labelled axes, text >= 8 pt, no tick or legend clash) and,
+    stricter for these dense maps, legends off every axes' whole area and no text overlapping."""
     fig.set_dpi(100)
-    fig.canvas.draw()
+    check_figure(fig, min_points=FONT)
     renderer = fig.canvas.get_renderer()
     data_axes = [ax for ax in fig.axes if ax.axison and ax.patches]
     assert data_axes
-    for ax in data_axes:
-        assert ax.get_xlabel().strip() and ax.get_ylabel().strip(), f"unlabelled axes {ax}"
-    small = [(t.get_text(), t.get_fontsize()) for t in visible_texts(fig) if t.get_fontsize() < FONT]
-    assert not small, f"text under {FONT} pt: {small}"
     legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
     assert legends
     for legend in legends:
