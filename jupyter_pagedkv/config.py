@@ -68,6 +68,9 @@ class EngineConfig:
     prefix_cache_scope: str = option("global", "whose cached prefixes a request may hit: everyone's "
                                      "(global, vLLM's default) or its own tenant's only (tenant)",
                                      choices=("global", "tenant"))
+    scheduling_policy: str = option("fcfs", "whose work goes next when tenants compete: first come, "
+                                    "first served (fcfs) or weighted fair share of the KV pool (fair; "
+                                    "engine.set_tenant sets weights and caps)", choices=("fcfs", "fair"))
     preemption_mode: str = option("recompute", "what to do when blocks run out",
                                   flag="--preemption", choices=("recompute", "swap"))
     swap_space: str | int | None = option(None, "host memory for swapped-out blocks (default 1GiB)",

@@ -5,7 +5,10 @@ takes from the head; a block freed without a hash goes to the head (nothing wort
 block freed with a hash goes to the tail, so the least recently used cached prefix is evicted
 first. A prefix-cache hit on a free block unlinks it from the middle of the queue in O(1). The pool
 also keeps its block gauges (used, shared, cached, references) as counters updated on every
-transition, so reading them is O(1) however large the pool is.
+transition, so reading them is O(1) however large the pool is. Every reference is taken for an
+owner (a tenant), and the pool counts the distinct blocks each owner holds (`num_held`): a block
+two tenants reference counts for both, since either alone would need it. Fair share and quotas
+read that count every step, so it is kept as a counter too.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ class Block:
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
     in_free_queue: bool = False
+    # References per owner (a tenant's name, None for requests that name nobody): who holds it.
+    owners: dict = field(default_factory=dict, repr=False)
 
 
 class FreeBlockQueue:
@@ -112,6 +117,8 @@ class BlockPool:
         self.num_shared = 0      # blocks with ref >= 2
         self.num_refs = 0        # sum of ref counts: blocks the live tables would hold unshared
         self.num_cached = 0      # ref 0 but holding a reusable prefix
+        self.held: Counter = Counter()          # owner -> distinct blocks it references
+        self.held_shared: Counter = Counter()   # owner -> of those, blocks with ref >= 2
 
     # -- allocation -------------------------------------------------------------------------
     @property
@@ -119,17 +126,43 @@ class BlockPool:
         """Blocks that can be handed out now (never filled, evicted, or cached with ref 0)."""
         return len(self.free_queue)
 
-    def allocate(self) -> Block:
+    def allocate(self, owner: object = None) -> Block:
         """Take the head of the free queue, evicting its cached prefix if it holds one."""
-        return self._claim(self.free_queue.popleft())
+        return self._claim(self.free_queue.popleft(), owner)
 
-    def take(self, block_id: int) -> Block:
+    def take(self, block_id: int, owner: object = None) -> Block:
         """Allocate one particular free block (the contiguous baseline places runs itself)."""
         block = self.blocks[block_id]
         self.free_queue.remove(block)
-        return self._claim(block)
+        return self._claim(block, owner)
 
-    def _claim(self, block: Block) -> Block:
+    def num_held(self, owner: object) -> int:
+        """Distinct blocks `owner` references (O(1))."""
+        return self.held.get(owner, 0)
+
+    def _own(self, block: Block, owner: object) -> None:
+        n = block.owners.get(owner, 0)
+        block.owners[owner] = n + 1
+        if n == 0:
+            self.held[owner] += 1
+
+    def _disown(self, block: Block, owner: object) -> None:
+        n = block.owners.get(owner, 0)
+        assert n > 0, f"block {block.block_id} freed for {owner!r}, which holds no reference to it"
+        if n == 1:
+            del block.owners[owner]
+            self.held[owner] -= 1
+            if not self.held[owner]:
+                del self.held[owner]
+        else:
+            block.owners[owner] = n - 1
+
+    def _unshare(self, owner: object) -> None:
+        self.held_shared[owner] -= 1
+        if not self.held_shared[owner]:
+            del self.held_shared[owner]
+
+    def _claim(self, block: Block, owner: object) -> Block:
         """A block just out of the free queue gets its first reference (and loses its prefix)."""
         if block.block_hash is not None:
             self.num_cached -= 1
@@ -137,11 +170,13 @@ class BlockPool:
         block.ref_count = 1
         self.num_used += 1
         self.num_refs += 1
+        self._own(block, owner)
         self.touched.add(block.block_id)
         return block
 
-    def incref(self, block: Block) -> None:
+    def incref(self, block: Block, owner: object = None) -> None:
         """Share a block (fork or prefix hit); a cached free block leaves the free queue."""
+        before, joins = block.ref_count, owner not in block.owners
         if block.ref_count == 0:
             self.free_queue.remove(block)
             self.num_used += 1
@@ -151,11 +186,23 @@ class BlockPool:
             self.num_shared += 1
         block.ref_count += 1
         self.num_refs += 1
+        self._own(block, owner)
+        if before == 1:            # now shared: by every owner it has
+            for o in block.owners:
+                self.held_shared[o] += 1
+        elif before >= 2 and joins:
+            self.held_shared[owner] += 1
         self.touched.add(block.block_id)
 
-    def free(self, block: Block) -> None:
+    def free(self, block: Block, owner: object = None) -> None:
         """Drop one reference; at zero the block becomes free but keeps its cached content."""
         assert block.ref_count > 0, f"double free of block {block.block_id}"
+        if block.ref_count == 2:   # about to be unshared: for every owner it has
+            for o in block.owners:
+                self._unshare(o)
+        elif block.ref_count > 2 and block.owners.get(owner) == 1:
+            self._unshare(owner)
+        self._disown(block, owner)
         block.ref_count -= 1
         self.num_refs -= 1
         self.touched.add(block.block_id)
@@ -169,10 +216,10 @@ class BlockPool:
             else:
                 self.free_queue.appendleft(block)
 
-    def free_all(self, blocks: Iterable[Block]) -> None:
+    def free_all(self, blocks: Iterable[Block], owner: object = None) -> None:
         """Free a sequence's blocks tail first, so its prefix is the last part to be evicted."""
         for block in reversed(list(blocks)):
-            self.free(block)
+            self.free(block, owner)
 
     # -- prefix cache -----------------------------------------------------------------------
     def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
@@ -233,9 +280,10 @@ class BlockPool:
         return np.fromiter((b.block_hash is not None for b in self.blocks), dtype=bool,
                            count=self.num_blocks)
 
-    def check_invariants(self, expected_refs: Counter[int]) -> None:
+    def check_invariants(self, expected_refs: Counter[int],
+                         expected_owners: dict[object, Counter[int]] | None = None) -> None:
         """Invariants 1-3 (docs/design.md) and the gauge counters; `expected_refs` counts the
-        block tables pointing at each block."""
+        block tables pointing at each block, `expected_owners` the same per owner."""
         free_ids = set()
         for block in self.free_queue:
             assert block.block_id not in free_ids, f"block {block.block_id} twice in the free queue"
@@ -264,3 +312,14 @@ class BlockPool:
         assert (self.num_used, self.num_shared, self.num_refs, self.num_cached) == counted, (
             f"gauge counters (used, shared, refs, cached) {(self.num_used, self.num_shared, self.num_refs, self.num_cached)} "
             f"but the blocks say {counted}")
+        if expected_owners is not None:
+            for block in self.blocks:
+                want = {o: c[block.block_id] for o, c in expected_owners.items() if c[block.block_id]}
+                assert block.owners == want, (
+                    f"block {block.block_id}: references by owner {block.owners} but the tables say {want}")
+            held = {o: len(c) for o, c in expected_owners.items() if c}
+            assert dict(self.held) == held, f"blocks held per owner {dict(self.held)} but the tables say {held}"
+            shared = {o: n for o, c in expected_owners.items()
+                      if (n := sum(1 for b in c if self.blocks[b].ref_count > 1))}
+            assert dict(self.held_shared) == shared, (
+                f"shared blocks per owner {dict(self.held_shared)} but the tables say {shared}")

@@ -11,10 +11,11 @@ class BlockTable:
     so a sequence wastes fewer than `block_size` slots.
     """
 
-    __slots__ = ("pool", "blocks", "num_slots", "num_published")
+    __slots__ = ("pool", "blocks", "num_slots", "num_published", "owner")
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, owner: object = None) -> None:
         self.pool = pool
+        self.owner = owner   # the tenant every reference of this table is taken for
         self.blocks: list[Block] = []
         self.num_slots = 0
         self.num_published = 0   # leading blocks already offered to the prefix cache
@@ -51,19 +52,19 @@ class BlockTable:
             raise NoFreeBlocksError("no free KV blocks")
         if self._last_block_is_shared():
             old = self.blocks[-1]
-            new = self.pool.allocate()
+            new = self.pool.allocate(self.owner)
             copies.append((old.block_id, new.block_id))
-            self.pool.free(old)
+            self.pool.free(old, self.owner)
             self.blocks[-1] = new
         while len(self.blocks) * bs < num_slots:
-            self.blocks.append(self.pool.allocate())
+            self.blocks.append(self.pool.allocate(self.owner))
         self.num_slots = num_slots
 
     def adopt(self, cached: list[Block]) -> None:
         """Start an empty table from prefix-cache hits (each gets one more reference)."""
         assert not self.blocks, "adopt() needs an empty table"
         for block in cached:
-            self.pool.incref(block)
+            self.pool.incref(block, self.owner)
         self.blocks = list(cached)
         self.num_slots = len(cached) * self.pool.block_size
         self.num_published = len(cached)
@@ -74,9 +75,9 @@ class BlockTable:
 
     def fork(self) -> BlockTable:
         """A child that shares every block (ref count +1); writes later copy on demand."""
-        child = BlockTable(self.pool)
+        child = BlockTable(self.pool, self.owner)
         for block in self.blocks:
-            self.pool.incref(block)
+            self.pool.incref(block, self.owner)
         child.blocks = list(self.blocks)
         child.num_slots = self.num_slots
         child.num_published = self.num_published
@@ -86,14 +87,14 @@ class BlockTable:
         """Drop slots from `num_slots` on (rejected draft tokens); emptied blocks return at once."""
         assert num_slots <= self.num_slots, "rollback cannot grow a table"
         keep = -(-num_slots // self.pool.block_size)
-        self.pool.free_all(self.blocks[keep:])
+        self.pool.free_all(self.blocks[keep:], self.owner)
         del self.blocks[keep:]
         self.num_slots = num_slots
         self.num_published = min(self.num_published, num_slots // self.pool.block_size)
 
     def free(self) -> None:
         """Return every block to the pool (cached content survives until reused)."""
-        self.pool.free_all(self.blocks)
+        self.pool.free_all(self.blocks, self.owner)
         self.blocks = []
         self.num_slots = 0
         self.num_published = 0

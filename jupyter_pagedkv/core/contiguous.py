@@ -73,7 +73,7 @@ class ContiguousArena:
         else:
             self._starts[i] += need
             self._lengths[i] -= need
-        table.blocks = [self.pool.take(b) for b in range(start, start + need)]
+        table.blocks = [self.pool.take(b, table.owner) for b in range(start, start + need)]
         return True
 
     def release(self, table: BlockTable) -> None:

@@ -14,14 +14,17 @@ if TYPE_CHECKING:
 
 
 def check_invariants(scheduler: Scheduler, swap: SwapSpace | None = None) -> None:
-    """Assert invariants 1-7; an AssertionError names the sequence or block that breaks one."""
+    """Assert invariants 1-8; an AssertionError names the sequence or block that breaks one."""
     pool, arena = scheduler.pool, scheduler.arena
     bs = pool.block_size
     expected: Counter[int] = Counter()
+    owners: dict[object, Counter[int]] = {}
     live = scheduler.live
     for seq in live:
         table = seq.block_table
+        assert table.owner == seq.tenant, f"{seq.request_id}: table owned by {table.owner!r}, not {seq.tenant!r}"
         expected.update(b.block_id for b in table.blocks)
+        owners.setdefault(seq.tenant, Counter()).update(b.block_id for b in table.blocks)
         if arena is None:
             assert len(table.blocks) == -(-table.num_slots // bs), (
                 f"{seq.request_id}: {len(table.blocks)} blocks for {table.num_slots} slots "
@@ -41,7 +44,12 @@ def check_invariants(scheduler: Scheduler, swap: SwapSpace | None = None) -> Non
                 assert block.extra_key == seq.extra_key, (
                     f"{seq.request_id} (tenant {seq.tenant!r}) holds cached block {block.block_id} salted "
                     f"{block.extra_key!r}, not {seq.extra_key!r}: a prefix crossed tenants (invariant 7)")
-    pool.check_invariants(expected)          # invariants 1-3 and the gauge counters
+    pool.check_invariants(expected, owners)  # invariants 1-3, the gauge and per-tenant counters
+    for name, spec in scheduler.tenancy.specs.items():
+        if spec.max_blocks is not None:
+            assert pool.num_held(name) <= spec.max_blocks, (
+                f"tenant {name!r} holds {pool.num_held(name)} blocks, over its max_blocks "
+                f"{spec.max_blocks} (invariant 8)")
     if arena is not None:
         arena.check_invariants()
     if swap is not None:

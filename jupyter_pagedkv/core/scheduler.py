@@ -4,7 +4,9 @@ Every step it first advances running sequences (decodes and unfinished prefill c
 first), preempting the lowest-priority (then newest) running sequence when a block cannot be
 had — by swap when a SwapSpace has room, else by recompute — then swaps sequences back in, and
 only when none waits in swap admits waiting sequences in arrival order while the token budget,
-the sequence cap and free blocks (above a small watermark) allow. Prefix-cache hits are taken at
+the sequence cap and free blocks (above a small watermark) allow. Which tenant's work goes next,
+whom a dry pool preempts and what a tenant may hold at most are the Tenancy's decisions
+(core/tenancy.py: "fcfs", the order above, or "fair", weighted fair share of the pool). Prefix-cache hits are taken at
 admission, both from the cache and from full blocks that chunks scheduled earlier in the same
 step will compute: requests that arrive together with a common prefix (a chat template's system
 prompt) compute it once. That is sound because every layer writes the whole step's K/V before it
@@ -19,6 +21,11 @@ from .block_pool import Block, BlockPool, NoFreeBlocksError
 from .contiguous import ContiguousArena
 from .sequence import Sequence, SequenceStatus
 from .swap_space import SwapSpace
+from .tenancy import Tenancy
+
+
+class AtTenantCap(Exception):
+    """Bringing this sequence in would take its tenant past max_blocks: it waits, others go on."""
 
 
 @dataclass(slots=True)
@@ -77,7 +84,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  watermark: float = 0.01, swap: SwapSpace | None = None,
-                 arena: ContiguousArena | None = None, max_model_len: int | None = None) -> None:
+                 arena: ContiguousArena | None = None, max_model_len: int | None = None,
+                 policy: str = "fcfs") -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.pool = pool
@@ -91,8 +99,10 @@ class Scheduler:
         # The contiguous baseline: admission reserves a whole run up front instead of growing.
         self.arena = arena
         self.max_model_len = max_model_len
+        self.tenancy = Tenancy(pool, policy)
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.prefix_hits_by_tenant: dict[str | None, int] = {}   # prompt tokens found in the cache
         # Full blocks this step's chunks will compute: hash -> (block, (parent hash, token ids,
         # extra key)), the same identity BlockPool.lookup checks; hits for later admissions.
         self._pending: dict[int, tuple[Block, tuple]] = {}
@@ -147,6 +157,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self._pending.clear()
+        blocked = self._make_room(out) if self.tenancy.fair and self.waiting else set()
+        rebalanced = len(out.preempted)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -155,38 +167,75 @@ class Scheduler:
             if n == 0:   # a beam holding its logits until its siblings have theirs
                 i += 1
                 continue
+            before = len(out.preempted)
             if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
                 self._append(out, ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
-                i += 1
+                # A victim earlier in `running` shifts seq down: find it again rather than skip one.
+                i = self.running.index(seq) + 1 if len(out.preempted) > before else i + 1
             # else: seq itself was preempted and removed from `running`; index i now holds the next.
         # Chunks of sequences preempted later in this loop must not run.
-        if out.preempted:
+        if len(out.preempted) > rebalanced:
             gone = {s.seq_id for s in out.preempted}
             out.chunks = [c for c in out.chunks if c.seq.seq_id not in gone]
-            return out   # no swap-ins or admissions in a step that had to preempt
+            return out   # no swap-ins or admissions in a step that had to preempt to grow
 
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            chunk = self._swap_in(self.swapped[0], budget, out)
-            if chunk is None:
+        # Swapped sequences come back before anything new is admitted (under "fair": the tenant
+        # with the least usage goes first, its swapped work before its waiting work).
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.tenancy.next_candidate(self.swapped, self.waiting, blocked)
+            if seq is None:
                 break
+            try:
+                if seq.status is SequenceStatus.SWAPPED:
+                    if out.swap_out:
+                        break   # a host slot freed by a swap-in could be overwritten by this step's swap-out
+                    chunk = self._swap_in(seq, budget, out)
+                else:
+                    chunk = self._admit(seq, budget, out)
+            except AtTenantCap:
+                blocked.add(seq.tenant)   # that tenant waits for its own blocks; others go on
+                continue
+            if chunk is None:
+                break   # the next in line does not fit, so nothing behind it jumps the queue
+            if chunk.seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
             if chunk.num_tokens:
                 self._append(out, chunk)
             budget -= chunk.num_tokens
-        if self.swapped:
-            return out   # swapped sequences come back before anything new is admitted
-
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            chunk = self._admit(seq, budget, out)
-            if chunk is None:
-                break   # FCFS: the head does not fit, so nothing behind it jumps the queue
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._append(out, chunk)
-            budget -= chunk.num_tokens
         return out
+
+    def _make_room(self, out: SchedulerOutput) -> set:
+        """Under "fair": when the next tenant in line is under its share and its next request does
+        not fit (blocks or sequence slots), preempt work of tenants over their share until it does.
+        Returns the tenants whose work must not come back this step (they were just preempted)."""
+        tenancy, pool, bs = self.tenancy, self.pool, self.pool.block_size
+        active = {s.tenant for s in self.live}
+        seq = tenancy.next_candidate(self.swapped, self.waiting, set())
+        if seq is None or len(active) < 2 or self.arena is not None:   # the baseline never preempts
+            return set()
+        if seq.status is SequenceStatus.SWAPPED:
+            need = len(seq.swap_slots) + 1
+        else:
+            hits = self._cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            start = len(hits) * bs
+            end = min(seq.num_tokens, start + self.max_num_batched_tokens)
+            need = -(-end // bs) - len(hits) + sum(1 for b in hits if b.ref_count == 0)
+        if tenancy.held(seq.tenant) + need > tenancy.share(seq.tenant, active) or tenancy.over_cap(seq.tenant, need):
+            return set()   # it would be over its share (or cap): it waits its turn
+        victims = set()
+        while self.running:
+            if need <= pool.num_free - self.watermark_blocks and len(self.running) < self.max_num_seqs:
+                break
+            victim = tenancy.over_share(self.running, active, seq.tenant)
+            if victim is None:
+                break
+            self.preempt(victim, out)
+            out.preempted.append(victim)
+            victims.add(victim.tenant)
+        return victims
 
     def _append(self, out: SchedulerOutput, chunk: ScheduledChunk) -> None:
         """Schedule `chunk` and offer the full blocks it completes to later admissions."""
@@ -205,26 +254,39 @@ class Scheduler:
                 self._pending[hashes[i]] = (block, key)
 
     def _grow_or_preempt(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
-        """Give `seq` slots up to `num_slots`, preempting newer sequences; False if `seq` itself went."""
+        """Give `seq` slots up to `num_slots`, preempting newer sequences (its tenant's own when
+        it is at its cap; under "fair" the furthest-over tenant's); False if `seq` itself went."""
         while True:
-            try:
-                seq.block_table.grow(num_slots, out.copies)
-                return True
-            except NoFreeBlocksError:
-                victim = max(self.running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
-                self.preempt(victim, out)
-                out.preempted.append(victim)
-                if victim is seq:
-                    return False
+            need = seq.block_table.blocks_needed(num_slots)
+            if self.tenancy.over_cap(seq.tenant, need):
+                victim = self.tenancy.victim(self.running, tenant=seq.tenant)   # its own, nobody else's
+            else:
+                try:
+                    seq.block_table.grow(num_slots, out.copies)
+                    return True
+                except NoFreeBlocksError:
+                    victim = self.tenancy.victim(self.running)
+            self.preempt(victim, out)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
 
-    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
+        """Register a tenant's weight and cap; a cap below what it holds now preempts its own
+        newest sequences at once (by recompute: no step is running to copy KV out)."""
+        self.tenancy.set(name, weight, max_blocks)
+        while max_blocks is not None and self.pool.num_held(name) > max_blocks:
+            victim = self.tenancy.victim(self.running, tenant=name)
+            self.preempt(victim, SchedulerOutput(), swap=False)
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool = True) -> None:
         """Swap the sequence's blocks to host memory if the SwapSpace has room for all of them;
         otherwise recompute: free the blocks (cached ones may hit again), requeue at the front."""
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
         table = seq.block_table
-        slots = self.swap.allocate(len(table.blocks)) if self.swap is not None else None
+        slots = self.swap.allocate(len(table.blocks)) if self.swap is not None and swap else None
         if slots is not None:
             out.swap_out.extend(zip(table.block_ids, slots))
             seq.swap_slots, seq.swapped_num_slots = slots, table.num_slots
@@ -239,23 +301,26 @@ class Scheduler:
         self._enqueue(self.waiting, seq)   # ahead of everything newer of its priority
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
-        """Bring a swapped sequence back into fresh blocks and schedule its next chunk, if it fits."""
+        """Bring a swapped sequence back into fresh blocks and schedule its next chunk, if it fits
+        (AtTenantCap if its tenant could not hold them)."""
         assert not out.swap_out, "a host slot freed here could be overwritten by a swap-out"
         assert self.arena is None, "the contiguous baseline never preempts, so never swaps in"
         pool, bs = self.pool, self.pool.block_size
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         needed = max(len(seq.swap_slots), -(-(seq.num_computed_tokens + n) // bs))
+        if self.tenancy.over_cap(seq.tenant, needed):
+            raise AtTenantCap
         watermark = self.watermark_blocks if self.running else 0
         if needed > pool.num_free - watermark:
             return None
         table = seq.block_table
-        table.blocks = [pool.allocate() for _ in seq.swap_slots]
+        table.blocks = [pool.allocate(table.owner) for _ in seq.swap_slots]
         table.num_slots = seq.swapped_num_slots
         out.swap_in.extend(zip(seq.swap_slots, table.block_ids))
         out.resumed.append(seq)
         self.swap.free(seq.swap_slots)
         seq.swap_slots = []
-        self.swapped.popleft()
+        self.swapped.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         table.grow(seq.num_computed_tokens + n, out.copies)
@@ -273,10 +338,14 @@ class Scheduler:
         return min(want, self.max_model_len) if self.max_model_len else want
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
+        """Take `seq` in with its cached prefix and first chunk; None if the pool cannot hold it
+        now, AtTenantCap if its tenant could not."""
         pool, bs = self.pool, self.pool.block_size
         if self.arena is not None:
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
+            if self.tenancy.over_cap(seq.tenant, -(-self.reservation(seq) // bs)):
+                raise AtTenantCap
             if not self.arena.reserve(seq.block_table, self.reservation(seq)):
                 return None
             seq.block_table.grow(start + n, out.copies)   # inside the run: takes no block
@@ -291,11 +360,15 @@ class Scheduler:
         needed = -(-(start + n) // bs) - len(hits)
         # The watermark keeps headroom for running sequences; with none running it protects nothing.
         watermark = self.watermark_blocks if self.running else 0
+        if self.tenancy.over_cap(seq.tenant, needed + sum(1 for b in hits if seq.tenant not in b.owners)):
+            raise AtTenantCap
         if needed + reclaimed > pool.num_free - watermark:
             return None
         if pool.enable_prefix_caching and seq.num_computed_tokens == 0:
             pool.prefix_cache_queries += (seq.num_tokens - 1) // bs * bs
             pool.prefix_cache_hits += len(hits) * bs
+            by_tenant = self.prefix_hits_by_tenant
+            by_tenant[seq.tenant] = by_tenant.get(seq.tenant, 0) + len(hits) * bs
         if hits:
             seq.block_table.adopt(hits)
             seq.num_computed_tokens = start

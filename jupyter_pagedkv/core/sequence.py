@@ -52,6 +52,12 @@ class Sequence:
     swap_slots: list[int] = field(default_factory=list)   # host slots, in block-table order
     swapped_num_slots: int = 0                           # table.num_slots when swapped out
 
+    def __post_init__(self) -> None:
+        table = self.block_table
+        if table.owner != self.tenant:   # a fresh table: its references are taken for our tenant
+            assert not table.blocks, f"{self.request_id}: a table of tenant {table.owner!r} given to {self.tenant!r}"
+            table.owner = self.tenant
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -74,6 +74,9 @@ class EngineStats:
     num_padded_steps: int = 0
     num_graph_replays: int = 0
     num_swap_outs: int = 0            # preemptions that swapped a sequence's blocks to the host
+    # Per tenant (the unnamed tenant as UNNAMED), once any request named one or a tenant was set.
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
+    scheduling_policy: str = "fcfs"
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -100,7 +103,83 @@ class EngineStats:
         latency = latency_line(self.latency_percentiles)
         if latency:
             lines.append(f"latency: {latency}")
+        if self.tenants:
+            lines.append(f"tenants ({self.scheduling_policy}):")
+            lines.extend(f"  {t.line()}" for t in self.tenants.values())
         return "\n".join(lines)
+
+
+UNNAMED = "(unnamed)"
+"""The name figures give the requests that named no tenant (internally, tenant None)."""
+
+
+@dataclass
+class TenantStats:
+    """One tenant's slice of the gauges. blocks_used: distinct blocks its requests reference (a
+    block two tenants share counts for both); blocks_shared: of those, referenced more than once;
+    share: its weighted fair share of the pool in blocks among the tenants with live work (or
+    itself alone); cached_tokens: its prompt tokens found in the prefix cache."""
+
+    name: str
+    weight: float
+    max_blocks: int | None
+    share: float
+    blocks_used: int
+    blocks_shared: int
+    cached_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    num_finished: int
+    ttft_p50: float | None
+    ttft_p99: float | None
+    e2e_p99: float | None
+    tail_name: str
+    tokens_per_s: float
+
+    def line(self) -> str:
+        cap = f" (cap {self.max_blocks})" if self.max_blocks is not None else ""
+        tail = self.tail_name.lower()
+        lat = (f", TTFT p50 {self.ttft_p50 * 1e3:.0f} ms / {tail} {self.ttft_p99 * 1e3:.0f} ms, end-to-end "
+               f"{tail} {self.e2e_p99:.2f} s" if self.ttft_p50 is not None and self.e2e_p99 is not None else "")
+        return (f"{self.name}: {self.blocks_used} blocks{cap} ({self.blocks_shared} shared, share "
+                f"{self.share:.0f}, weight {self.weight:g}), {self.cached_tokens} cached tokens, "
+                f"{self.num_running} running / {self.num_waiting} waiting / {self.num_preempted} preempted, "
+                f"{self.num_finished} finished, {self.tokens_per_s:.1f} tok/s{lat}")
+
+
+def tenant_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters,
+                 finished: Iterable[Any], now: float | None = None) -> dict[str, TenantStats]:
+    """Every tenant's gauges, O(tenants + queued sequences + finished requests kept); {} while no
+    request named a tenant and none was set. `finished` holds finished requests (their `tenant`
+    and `metrics`)."""
+    tenancy = scheduler.tenancy
+    live = scheduler.live
+    names = set(tenancy.specs) | set(pool.held) | {s.tenant for s in live} | set(counters.finished_by_tenant)
+    if not names - {None}:
+        return {}
+    finished = list(finished)
+    active = {s.tenant for s in live}
+    result = {}
+    for name in sorted(names, key=lambda n: (n is None, n or "")):
+        spec = tenancy.spec(name)
+        mine = [r.metrics for r in finished if r.tenant == name]
+        p = latency_percentiles(mine)
+        ttft, lat = p.get("ttft", {}), p.get("latency", {})
+        rate = counters.tenant_throughput.get(name)
+        result[UNNAMED if name is None else name] = TenantStats(
+            name=UNNAMED if name is None else name, weight=spec.weight, max_blocks=spec.max_blocks,
+            share=tenancy.share(name, active), blocks_used=pool.num_held(name),
+            blocks_shared=pool.held_shared.get(name, 0),
+            cached_tokens=scheduler.prefix_hits_by_tenant.get(name, 0),
+            num_running=sum(1 for s in scheduler.running if s.tenant == name),
+            num_waiting=sum(1 for s in scheduler.waiting if s.tenant == name),
+            num_preempted=sum(1 for s in scheduler.waiting if s.tenant == name and s.num_preemptions)
+            + sum(1 for s in scheduler.swapped if s.tenant == name),
+            num_finished=counters.finished_by_tenant.get(name, 0),
+            ttft_p50=ttft.get("p50"), ttft_p99=ttft.get("p99"), e2e_p99=lat.get("p99"),
+            tail_name=tail_name(int(ttft.get("count", 0))), tokens_per_s=rate.rate(now) if rate else 0.0)
+    return result
 
 
 class Throughput:
@@ -134,13 +213,26 @@ class EngineCounters:
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
     throughput: Throughput = field(default_factory=Throughput)
+    tenant_throughput: dict[str | None, Throughput] = field(default_factory=dict)
+    finished_by_tenant: dict[str | None, int] = field(default_factory=dict)
 
-    def record_step(self, now: float, tokens: int, step_s: float, forward_s: float) -> None:
+    def record_step(self, now: float, tokens: int, step_s: float, forward_s: float,
+                    by_tenant: dict[str | None, int] | None = None) -> None:
         self.num_steps += 1
         self.num_generated_tokens += tokens
         self.step_time_s += step_s
         self.forward_time_s += forward_s
         self.throughput.record(now, tokens)
+        for tenant, rate in self.tenant_throughput.items():
+            rate.record(now, (by_tenant or {}).get(tenant, 0))
+        for tenant, n in (by_tenant or {}).items():
+            if tenant not in self.tenant_throughput:
+                self.tenant_throughput[tenant] = rate = Throughput(self.throughput.window)
+                rate.record(now, n)
+
+    def record_finish(self, tenant: str | None) -> None:
+        self.num_finished += 1
+        self.finished_by_tenant[tenant] = self.finished_by_tenant.get(tenant, 0) + 1
 
 
 MIN_TAIL_SAMPLES = 20
@@ -220,7 +312,10 @@ def engine_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters
                  num_swapped_blocks: int = 0, speculative: Any = None, padded: Any = None,
                  finished: Iterable[Any] = (), now: float | None = None) -> EngineStats:
     """Every gauge at this instant (call it under the engine's lock). `speculative` is the
-    speculator's counters (drafts proposed / kept); `finished` the metrics of finished requests."""
+    speculator's counters (drafts proposed / kept); `finished` the finished requests (their
+    `metrics` and `tenant`)."""
+    finished = list(finished)
+    tenants = tenant_stats(pool, scheduler, counters, finished, now)
     n, bs = pool.num_blocks, pool.block_size
     live = scheduler.live
     tokens_stored, slots = occupancy(pool, live)
@@ -243,11 +338,12 @@ def engine_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters
         num_preempted=num_preempted(scheduler), num_preemptions=scheduler.num_preemptions,
         num_swapped_blocks=num_swapped_blocks, tokens_per_s=counters.throughput.rate(now),
         num_generated_tokens=counters.num_generated_tokens, num_finished=counters.num_finished,
-        latency_percentiles=latency_percentiles(finished), num_block_refs=pool.num_refs,
+        latency_percentiles=latency_percentiles(r.metrics for r in finished), num_block_refs=pool.num_refs,
         states={k: v for k, v in states.items() if v}, num_steps=counters.num_steps,
         num_padded_steps=padded.num_steps if padded is not None else 0,
         num_graph_replays=padded.num_replays if padded is not None else 0,
-        num_swap_outs=scheduler.num_swap_outs, **spec)
+        num_swap_outs=scheduler.num_swap_outs, tenants=tenants, scheduling_policy=scheduler.tenancy.policy,
+        **spec)
 
 
 def block_state(block) -> str:
@@ -260,7 +356,7 @@ def block_state(block) -> str:
 
 
 def pool_snapshot(pool: BlockPool, seqs: Seq[Sequence], block_ids: Iterable[int] | None = None) -> dict:
-    """Per-block state, ref count and owning request ids (all blocks, or `block_ids` in that
+    """Per-block state, ref count, owning request ids and tenants (all blocks, or `block_ids` in that
     order, echoed as "block_ids": then O(listed blocks + live table entries))."""
     blocks = pool.blocks if block_ids is None else [pool.blocks[i] for i in block_ids]
     wanted = None if block_ids is None else {b.block_id for b in blocks}
@@ -269,9 +365,12 @@ def pool_snapshot(pool: BlockPool, seqs: Seq[Sequence], block_ids: Iterable[int]
         for block in seq.block_table.blocks:
             if wanted is None or block.block_id in wanted:
                 owners.setdefault(block.block_id, []).append(seq.request_id)
+    # Which tenants reference each block (UNNAMED for requests that named none); a block two
+    # tenants share lists both. Only blocks in use appear.
+    tenants = {b.block_id: sorted(UNNAMED if t is None else t for t in b.owners) for b in blocks if b.owners}
     snap = {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
             "states": [block_state(b) for b in blocks], "ref_counts": [b.ref_count for b in blocks],
-            "owners": owners}
+            "owners": owners, "tenants": tenants}
     if block_ids is not None:
         snap["block_ids"] = [b.block_id for b in blocks]
     return snap

@@ -26,6 +26,7 @@ from ..core.sampling_params import BeamSearchParams, SamplingParams
 from ..core.scheduler import Scheduler, StepRecord
 from ..core.sequence import Sequence
 from ..core.stats import EngineCounters
+from ..core.tenancy import check_spec
 from ..decoding.beam_search import BeamSearchOutput
 from ..decoding.speculative import Speculator
 from ..worker.compat import UnsupportedModelError, check_servable
@@ -77,7 +78,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         self.swap = setup.swap_space(config.swap_space, self.kv_cache) if self.preemption_mode == "swap" else None
         arena = ContiguousArena(self.pool) if self.allocator == "contiguous" else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   swap=self.swap, arena=arena, max_model_len=self.max_model_len)
+                                   swap=self.swap, arena=arena, max_model_len=self.max_model_len,
+                                   policy=config.scheduling_policy)
         self.trace: list[StepRecord] | None = None            # [] records every step's schedule
         self.step_timings: list[StepTiming] | None = None     # [] times every step's phases
         from ..worker.kernels_bridge import resolve_backend
@@ -182,6 +184,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         intake.check_stop_ids(params, self.vocab_size)
         tenant = intake.check_tenant(tenant)
         with self._lock:
+            intake.check_cap(tenant, self.scheduler.tenancy.spec(tenant).max_blocks, ids, params, beam,
+                             self.max_model_len, self.block_size)
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -198,6 +202,20 @@ class Engine(Stepping, EngineInspection, GenerationFront):
             self.scheduler.add(seq)
             self._work.notify_all()
         return rid
+
+    def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
+        """Give tenant `name` a weight in the fair share of the pool (scheduling_policy="fair") and
+        an optional hard cap on the blocks it holds (either policy). A cap lower than what one of
+        its live requests needs is refused, since that request could never finish."""
+        check_spec(name, weight, max_blocks, self.pool.num_blocks)
+        with self._lock:
+            if max_blocks is not None:
+                for req in self._requests.values():
+                    if req.tenant == name and not req.finished:
+                        intake.check_cap(name, max_blocks, req.prompt_token_ids, req.params, req.beam,
+                                         self.max_model_len, self.block_size)
+            self.scheduler.set_tenant(name, weight, max_blocks)
+            self._work.notify_all()   # a raised cap may let waiting work in
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its blocks at once; False if it was not live."""
@@ -223,7 +241,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
     def _finish_request(self, req: Request, now: float) -> None:
         self._requests.pop(req.request_id, None)
         self.finished_requests.append(req)
-        self.counters.num_finished += 1
+        self.counters.record_finish(req.tenant)
         self.outputs.finish(req, now)
 
     # -- the front (generate / chat / stream come from GenerationFront) -----------------------------

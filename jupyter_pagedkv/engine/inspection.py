@@ -26,7 +26,7 @@ class EngineInspection:
         return engine_stats(self.pool, self.scheduler, self.counters,
                             num_swapped_blocks=self.swap.num_used if self.swap is not None else 0,
                             speculative=self.speculator.stats, padded=self.runner.padded,
-                            finished=[r.metrics for r in self.finished_requests if r.error is None])
+                            finished=[r for r in self.finished_requests if r.error is None])
 
     def pool_snapshot(self, block_ids: Iterable[int] | None = None) -> dict:
         """Per-block state ('free', 'cached', 'used', 'shared'), ref counts and owners; with

@@ -88,3 +88,21 @@ def check_tenant(tenant: object) -> str | None:
     if not isinstance(tenant, str) or not tenant.strip():
         raise ValueError(f"tenant must be a non-empty string such as 'alice' (or None), got {tenant!r}")
     return tenant
+
+
+def check_cap(tenant: str | None, max_blocks: int | None, ids: list[int], params: SamplingParams,
+              beam: BeamSearch | None, max_model_len: int, block_size: int) -> None:
+    """One request fits its tenant's max_blocks: one sequence's whole context (all beams' worst
+    case for a beam search, whose beams advance together and so must fit together)."""
+    if max_blocks is None:
+        return
+    if beam is not None:
+        need = beam.blocks_needed(len(ids), block_size)
+        what = f"its beams, {len(ids)} prompt + {beam.max_new_tokens} new tokens each"
+    else:
+        need = -(-min(len(ids) + params.max_tokens, max_model_len) // block_size)
+        what = f"{len(ids)} prompt + {params.max_tokens} new tokens"
+    if need > max_blocks:
+        raise ValueError(f"tenant {tenant!r} may hold at most {max_blocks} blocks (max_blocks) but this "
+                         f"request needs {need} ({what}): lower max_tokens, or raise the cap with "
+                         f"engine.set_tenant({tenant!r}, max_blocks={need})")

@@ -28,6 +28,7 @@ class Request:
     error: BaseException | None = None
     beam: BeamSearch | None = None      # set for beam search requests
     tenant: str | None = None           # who sent it: prefix isolation and per-tenant figures
+    tokens_counted: int = 0             # generated tokens already in the tenant's throughput
 
     @property
     def finished(self) -> bool:

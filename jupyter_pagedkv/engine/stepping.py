@@ -78,8 +78,14 @@ class Stepping:
                 else:
                     self._guard(req, self.outputs.publish, req)
             outputs.append(self._output_of(req))
+        by_tenant: dict[str | None, int] = {}
+        for req in touched.values():
+            new = req.metrics.num_generated_tokens - req.tokens_counted
+            if new:
+                by_tenant[req.tenant] = by_tenant.get(req.tenant, 0) + new
+                req.tokens_counted = req.metrics.num_generated_tokens
         t1 = time.perf_counter()
-        self.counters.record_step(now, num_tokens, t1 - t0, self.runner.last_forward_s)
+        self.counters.record_step(now, num_tokens, t1 - t0, self.runner.last_forward_s, by_tenant)
         if record is not None:
             self.trace.append(dataclasses.replace(record, duration_s=t1 - t0))
         if self.step_timings is not None:

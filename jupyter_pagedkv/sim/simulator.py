@@ -22,6 +22,7 @@ from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler, StepRecord
 from ..core.sequence import Sequence
 from ..core.swap_space import SwapSpace
+from ..core.tenancy import TenantSpec
 from .cost_model import CostModel, ModelCost
 from ..core.stats import occupancy
 from .summary import RequestTiming, RunSummary, UtilisationMeter
@@ -41,6 +42,8 @@ class SimConfig:
     swap_blocks: int = 0
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    scheduling_policy: str = "fcfs"
+    tenants: tuple[TenantSpec, ...] = ()     # weights and caps; unnamed tenants get weight 1
 
     def __post_init__(self) -> None:
         if self.allocator not in ("paged", "contiguous"):
@@ -55,6 +58,8 @@ class SimResult:
     trace: list[StepRecord] = field(default_factory=list)
     completion_order: list[str] = field(default_factory=list)
     num_steps: int = 0
+    # Blocks each tenant held, summed over steps: its share of the pool over the run.
+    block_steps: Counter = field(default_factory=Counter)
 
 
 class Simulator:
@@ -83,7 +88,10 @@ class Simulator:
         pool = BlockPool(cfg.num_blocks, bs, cfg.enable_prefix_caching and paged)
         sched = Scheduler(pool, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                           swap=SwapSpace(cfg.swap_blocks) if cfg.preemption_mode == "swap" and cfg.swap_blocks else None,
-                          arena=None if paged else ContiguousArena(pool), max_model_len=cfg.max_model_len)
+                          arena=None if paged else ContiguousArena(pool), max_model_len=cfg.max_model_len,
+                          policy=cfg.scheduling_policy)
+        for spec in cfg.tenants:
+            sched.set_tenant(spec.name, spec.weight, spec.max_blocks)
         for r in requests:
             need = min(r.prompt_len + r.max_tokens, cfg.max_model_len or math.inf)
             if -(-need // bs) > cfg.num_blocks:
@@ -101,7 +109,7 @@ class Simulator:
                 r = pending[i]
                 params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
                 sched.add(Sequence(r.request_id, list(r.prompt_ids), r.prompt_len, params,
-                                   BlockTable(pool), r.arrival_s, r.priority))
+                                   BlockTable(pool), r.arrival_s, r.priority, tenant=r.tenant))
                 i += 1
             if not sched.has_work():
                 clock = pending[i].arrival_s
@@ -133,10 +141,12 @@ class Simulator:
                 if k + 1 == req.output_len:
                     sched.finish(seq, "length" if req.output_len == req.max_tokens else "stop")
                     timings.append(RequestTiming(req.request_id, req.arrival_s, first[req.request_id],
-                                                 clock, req.output_len))
+                                                 clock, req.output_len, req.tenant))
                     result.completion_order.append(req.request_id)
             # Occupancy after the step (as the real-engine driver measures it), sampled on a
             # stride and weighted by the time since the last sample.
+            for tenant, held in pool.held.items():
+                result.block_steps[tenant] += held
             since += dt
             if steps % max(1, running // 4) == 0:
                 stored, held = occupancy(pool, sched.live)

@@ -17,6 +17,7 @@ class RequestTiming:
     first_token_s: float
     finish_s: float
     num_output_tokens: int
+    tenant: str | None = None
 
     @property
     def ttft(self) -> float:

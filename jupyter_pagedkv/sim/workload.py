@@ -43,6 +43,7 @@ class SimRequest:
     output_ids: list[int]
     max_tokens: int
     priority: int = 0
+    tenant: str | None = None
 
     @property
     def prompt_len(self) -> int:

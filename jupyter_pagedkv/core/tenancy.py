@@ -1,0 +1,146 @@
+"""Tenancy: who holds the pool, what each tenant may hold, and whose work goes next.
+
+A tenant is the name a request was sent under (None: nobody named; that is one tenant too). The
+pool counts the distinct blocks each tenant references (`BlockPool.num_held`), so everything here
+is O(tenants) per decision. Two policies drive the Scheduler:
+
+- "fcfs": work goes in queue order (priority, then arrival), swapped work first; a pool running
+  dry preempts the newest running sequence, whoever sent it.
+- "fair": weighted fair share of the KV pool. A tenant's share is weight / sum of the weights of
+  the tenants with live work, times the pool; its usage is blocks held / weight. The tenant with
+  the least usage goes next (its swapped work, then its waiting work, in queue order); a pool
+  running dry preempts inside the tenant furthest over its share; and a tenant under its share
+  whose next request does not fit makes room by preempting a tenant over its share, never one
+  under it (so two tenants cannot take turns preempting each other).
+
+Under either policy `max_blocks` is a hard cap: a tenant at its cap waits, or has its own newest
+sequence preempted, and nobody else's work waits on it (invariant 8, docs/design.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from .block_pool import BlockPool
+    from .sequence import Sequence
+
+POLICIES = ("fcfs", "fair")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """What a tenant is entitled to: a weight in the fair share, and an optional hard cap."""
+
+    name: str | None
+    weight: float = 1.0
+    max_blocks: int | None = None
+
+
+def victim_key(seq: Sequence) -> tuple:
+    """Preemption order inside a set of sequences: lowest priority (highest number), then newest."""
+    return (seq.priority, seq.arrival_time, seq.seq_id)
+
+
+class Tenancy:
+    """The tenants' specs and the policy's decisions, over the pool's per-tenant counts."""
+
+    def __init__(self, pool: BlockPool, policy: str = "fcfs") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.pool = pool
+        self.policy = policy
+        self.specs: dict[str | None, TenantSpec] = {}
+
+    @property
+    def fair(self) -> bool:
+        return self.policy == "fair"
+
+    def set(self, name: str | None, weight: float = 1.0, max_blocks: int | None = None) -> TenantSpec:
+        """Register or change a tenant (the caller checks the values; see `check_spec`)."""
+        spec = TenantSpec(name, float(weight), max_blocks)
+        self.specs[name] = spec
+        return spec
+
+    def spec(self, name: str | None) -> TenantSpec:
+        return self.specs.get(name) or TenantSpec(name)
+
+    def held(self, name: str | None) -> int:
+        return self.pool.num_held(name)
+
+    def usage(self, name: str | None) -> float:
+        """Blocks held per unit of weight: the fair policy serves the smallest first."""
+        return self.held(name) / self.spec(name).weight
+
+    def share(self, name: str | None, active: Iterable[str | None]) -> float:
+        """`name`'s fair share of the pool in blocks, among the tenants in `active` (and itself)."""
+        total = sum(self.spec(t).weight for t in set(active) | {name})
+        return self.pool.num_blocks * self.spec(name).weight / total
+
+    def over_cap(self, name: str | None, extra: int) -> bool:
+        """Whether holding `extra` more blocks would take `name` past its max_blocks."""
+        cap = self.spec(name).max_blocks
+        return cap is not None and extra > 0 and self.held(name) + extra > cap
+
+    def room(self, name: str | None) -> float:
+        cap = self.spec(name).max_blocks
+        return math.inf if cap is None else cap - self.held(name)
+
+    # -- decisions ------------------------------------------------------------------------------
+    def next_candidate(self, swapped: Iterable[Sequence], waiting: Iterable[Sequence],
+                       blocked: set) -> Sequence | None:
+        """The sequence to bring in next (swap in or admit), skipping tenants in `blocked`
+        (at their cap this step). Queues are in (priority, arrival) order already."""
+        if not self.fair:
+            for queue in (swapped, waiting):
+                for seq in queue:
+                    if seq.tenant not in blocked:
+                        return seq
+            return None
+        heads: dict[str | None, Sequence] = {}
+        for queue in (swapped, waiting):   # within a tenant, swapped work comes back first
+            for seq in queue:
+                if seq.tenant not in blocked and seq.tenant not in heads:
+                    heads[seq.tenant] = seq
+        if not heads:
+            return None
+        return min(heads.values(), key=lambda s: (self.usage(s.tenant), s.priority, s.arrival_time, s.seq_id))
+
+    def victim(self, running: list[Sequence], tenant: object = ..., exclude: object = ...) -> Sequence | None:
+        """Whom to preempt: inside `tenant` when given (its cap), else under "fair" inside the
+        tenant furthest over its share (never `exclude`), else the newest of all."""
+        if tenant is not ...:
+            candidates = [s for s in running if s.tenant == tenant]
+        elif self.fair:
+            tenants = {s.tenant for s in running} - ({exclude} if exclude is not ... else set())
+            if not tenants:
+                return None
+            worst = max(tenants, key=self.usage)
+            candidates = [s for s in running if s.tenant == worst]
+        else:
+            candidates = running
+        return max(candidates, key=victim_key) if candidates else None
+
+    def over_share(self, running: list[Sequence], active: set, beside: str | None) -> Sequence | None:
+        """Under "fair": a victim from the tenant furthest over its share other than `beside`,
+        or None when no such tenant holds more than its share."""
+        over = {s.tenant for s in running if s.tenant != beside
+                and self.held(s.tenant) > self.share(s.tenant, active)}
+        if not over:
+            return None
+        worst = max(over, key=self.usage)
+        return max((s for s in running if s.tenant == worst), key=victim_key)
+
+
+def check_spec(name: object, weight: object, max_blocks: object, num_blocks: int) -> None:
+    """One clear line for each way a tenant's spec can be wrong."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"tenant must be a non-empty string such as 'alice', got {name!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise ValueError(f"tenant {name!r}: weight must be a positive number (its share is weight / "
+                         f"sum of weights), got {weight!r}")
+    if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
+                                   or max_blocks < 1):
+        raise ValueError(f"tenant {name!r}: max_blocks must be a positive whole number of blocks "
+                         f"(or None for no cap), got {max_blocks!r}")
