@@ -36,7 +36,8 @@ def snapshot(engine: EngineClient | None) -> dict[str, Any]:
         return {"loaded": False}
     stats = engine.stats()
     pool = dict(engine.pool_snapshot())
-    pool["owners"] = {str(k): v for k, v in pool["owners"].items()}   # JSON keys are strings
+    for key in ("owners", "tenants"):   # JSON keys are strings; a server's pool has no tenants
+        pool[key] = {str(k): v for k, v in pool.get(key, {}).items()}
     info = engine.info()
     return {"loaded": True, "model": info.name, "device": info.device, "dtype": info.dtype,
             "stats": gauges(stats), "pool": pool}

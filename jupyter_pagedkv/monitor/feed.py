@@ -2,7 +2,7 @@
 
 One feed per engine (`feed_for(engine)`, also `engine.monitor_feed`), shared by every monitor: the
 notebook widget and the JupyterLab side panel. A subscriber first gets a full frame, then diffs
-that carry only the blocks whose state, ref count or owners changed. The feed reads its engine
+that carry only the blocks whose state, ref count, owners or tenants changed. The feed reads its engine
 only through `EngineClient.observe()`: the gauges (computed once, in `core.stats`) and the blocks
 touched since the last look (O(changes), not O(num_blocks)). The stepping thread does nothing but
 set an Event after each step (`add_step_listener`); the feed's own thread builds and sends the
@@ -43,7 +43,9 @@ class Frame:
 
     ids (uint32), codes (uint8, an index into `legend`) and refs (uint8, ref count capped at 255)
     are parallel arrays over the listed blocks; `owners` maps each listed block that has owners
-    (or lost them) to its request ids; `gauges` are the pool and scheduler numbers of this moment."""
+    (or lost them) to its request ids, and `tenants` the same blocks to the tenants whose requests
+    hold them (core.stats.UNNAMED for none; two names: shared across tenants); `gauges` are the
+    pool and scheduler numbers of this moment (per-tenant ones under "tenants")."""
 
     seq: int
     prev: int
@@ -55,6 +57,7 @@ class Frame:
     codes: np.ndarray
     refs: np.ndarray
     owners: dict[int, list[str]]
+    tenants: dict[int, list[str]]
     gauges: dict[str, Any]
     history: list[float] = field(default_factory=list)
 
@@ -62,7 +65,8 @@ class Frame:
         """The JSON part of the frame (everything but the three arrays)."""
         return {"seq": self.seq, "prev": self.prev, "full": self.full, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "legend": list(self.legend),
-                "owners": {str(k): v for k, v in self.owners.items()}, "gauges": self.gauges,
+                "owners": {str(k): v for k, v in self.owners.items()},
+                "tenants": {str(k): v for k, v in self.tenants.items()}, "gauges": self.gauges,
                 "history": self.history}
 
     def buffers(self) -> list[bytes]:
@@ -78,9 +82,11 @@ class Frame:
 
     @property
     def nbytes(self) -> int:
-        """Wire size estimate: arrays plus the owner lists (what grows with the changes)."""
-        owners = sum(len(k) + sum(len(r) + 3 for r in v) for k, v in self.header()["owners"].items())
-        return sum(len(b) for b in self.buffers()) + owners
+        """Wire size estimate: arrays plus the owner and tenant lists (what grows with the changes)."""
+        header = self.header()
+        lists = sum(len(k) + sum(len(r) + 3 for r in v)
+                    for key in ("owners", "tenants") for k, v in header[key].items())
+        return sum(len(b) for b in self.buffers()) + lists
 
 
 Subscriber = Callable[[Frame | None], None]   # None: the engine is gone, no more frames
@@ -98,6 +104,7 @@ class MonitorFeed:
         self.legend: list[str] = list(KNOWN_STATES)
         self._code = {s: i for i, s in enumerate(self.legend)}
         self.owners: dict[int, list[str]] = {}
+        self.tenants: dict[int, list[str]] = {}
         self.seq = 0
         self.gauges: dict[str, Any] = {}
         self.history: deque[float] = deque(maxlen=240)
@@ -175,7 +182,8 @@ class MonitorFeed:
             n = len(self.codes)
             return Frame(self.seq, -1, True, n, self.block_size, list(self.legend),
                          np.arange(n, dtype=np.uint32), self.codes.copy(), self.refs.copy(),
-                         {k: list(v) for k, v in self.owners.items()}, dict(self.gauges),
+                         {k: list(v) for k, v in self.owners.items()},
+                         {k: list(v) for k, v in self.tenants.items()}, dict(self.gauges),
                          list(self.history))
 
     # -- the thread -------------------------------------------------------------------------------
@@ -252,7 +260,8 @@ class MonitorFeed:
         ids = np.asarray(changed, dtype=np.uint32)
         frame = Frame(self.seq, prev, False, len(self.codes), self.block_size, list(self.legend),
                       ids, self.codes[ids], self.refs[ids],
-                      {i: list(self.owners.get(i, ())) for i in changed}, dict(self.gauges))
+                      {i: list(self.owners.get(i, ())) for i in changed},
+                      {i: list(self.tenants.get(i, ())) for i in changed}, dict(self.gauges))
         for token, send in list(self._subscribers.items()):
             try:
                 send(frame)
@@ -276,16 +285,18 @@ class MonitorFeed:
         self.codes[ids] = codes
         self.refs[ids] = refs
         changed = set(ids[differs].tolist())
-        new_owners = {int(k): sorted(set(v)) for k, v in snap["owners"].items()}
         checked = set(ids.tolist()) if block_ids is not None else None
-        for i in list(self.owners):
-            if (checked is None or i in checked) and i not in new_owners:
-                del self.owners[i]
-                changed.add(i)
-        for i, owners in new_owners.items():
-            if self.owners.get(i) != owners:
-                self.owners[i] = owners
-                changed.add(i)
+        # Owners (request ids) and tenants fold in alike; a server's snapshot has no tenants.
+        for mine, theirs in ((self.owners, snap["owners"]), (self.tenants, snap.get("tenants", {}))):
+            new = {int(k): sorted(set(v)) for k, v in theirs.items()}
+            for i in list(mine):
+                if (checked is None or i in checked) and i not in new:
+                    del mine[i]
+                    changed.add(i)
+            for i, names in new.items():
+                if mine.get(i) != names:
+                    mine[i] = names
+                    changed.add(i)
         return sorted(changed)
 
     def _code_of(self, state: str) -> int:
