@@ -213,7 +213,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
                 for req in self._requests.values():
                     if req.tenant == name and not req.finished:
                         intake.check_cap(name, max_blocks, req.prompt_token_ids, req.params, req.beam,
-                                         self.max_model_len, self.block_size)
+                                         self.max_model_len, self.block_size, req.request_id)
             self.scheduler.set_tenant(name, weight, max_blocks)
             self._work.notify_all()   # a raised cap may let waiting work in
 

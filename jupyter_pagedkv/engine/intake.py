@@ -91,7 +91,8 @@ def check_tenant(tenant: object) -> str | None:
 
 
 def check_cap(tenant: str | None, max_blocks: int | None, ids: list[int], params: SamplingParams,
-              beam: BeamSearch | None, max_model_len: int, block_size: int) -> None:
+              beam: BeamSearch | None, max_model_len: int, block_size: int,
+              request_id: str | None = None) -> None:
     """One request fits its tenant's max_blocks: one sequence's whole context (all beams' worst
     case for a beam search, whose beams advance together and so must fit together)."""
     if max_blocks is None:
@@ -103,6 +104,7 @@ def check_cap(tenant: str | None, max_blocks: int | None, ids: list[int], params
         need = -(-min(len(ids) + params.max_tokens, max_model_len) // block_size)
         what = f"{len(ids)} prompt + {params.max_tokens} new tokens"
     if need > max_blocks:
-        raise ValueError(f"tenant {tenant!r} may hold at most {max_blocks} blocks (max_blocks) but this "
-                         f"request needs {need} ({what}): lower max_tokens, or raise the cap with "
+        which = f"its live request {request_id}" if request_id else "this request"
+        raise ValueError(f"tenant {tenant!r} may hold at most {max_blocks} blocks (max_blocks) but {which} "
+                         f"needs {need} ({what}): lower max_tokens, or raise the cap with "
                          f"engine.set_tenant({tenant!r}, max_blocks={need})")

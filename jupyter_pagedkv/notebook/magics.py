@@ -19,16 +19,21 @@ from .session import NO_ENGINE, KernelSession, current
 from .markdown import MarkdownRenderer, markdown_bundle
 from .options import (SESSION_NAME, beam_params, interpolate, load_arguments, parse_connect, parse_line,
                       sampling_arguments, split_prompts, unescape)
+from .tenants import set_tenant_line, tenants_table
 from .text_views import block_map, requests_table
 from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
                         Renderer, WidgetRenderer)
 
-COMMANDS = ("load", "unload", "status", "requests", "reset-cache", "monitor", "bench", "plan", "help")
+COMMANDS = ("load", "unload", "status", "requests", "tenants", "reset-cache", "monitor", "bench", "plan", "help")
 HELP = """\
 jupyter-pagedkv magics (one engine per kernel, shared by every cell):
   %pagedkv load [MODEL] [options]   load a model (default: the embedded SmolLM2-135M-Instruct)
   %pagedkv status                   model, KV cache and engine gauges
   %pagedkv requests                 live and recent requests, chat sessions, background jobs
+  %pagedkv tenants                  per tenant: blocks held, share, queue, TTFT and end-to-end tails
+  %pagedkv tenant NAME [--weight W] [--max-blocks N]
+                                    a tenant's weight in the fair share (load --scheduling-policy
+                                    fair) and its hard cap on blocks held
   %pagedkv monitor                  the live block-pool widget (text outside a notebook)
   %pagedkv reset-cache              drop cached prefixes (blocks not in use)
   %pagedkv unload                   release the model and the KV memory
@@ -57,7 +62,7 @@ class PagedKVMagics(Magics):
     # -- %pagedkv -------------------------------------------------------------------------------
     @magic_arguments()
     @argument("command", nargs="?", default="help", choices=COMMANDS, metavar="COMMAND",
-              help="load | unload | status | requests | reset-cache | monitor | bench | plan | help")
+              help="load | unload | status | requests | tenants | reset-cache | monitor | bench | plan | help")
     @argument("model", nargs="?", default=None, metavar="MODEL",
               help="load: a Hugging Face model folder or cached id (default: embedded SmolLM2-135M-Instruct)")
     @load_arguments
@@ -65,7 +70,7 @@ class PagedKVMagics(Magics):
     def pagedkv(self, line: str) -> None:
         """Load, inspect and release the kernel's paged KV-cache engine. `%pagedkv help` for a tour."""
         words = line.split(None, 1)
-        if words and words[0] in ("bench", "plan", "connect", "disconnect"):
+        if words and words[0] in ("bench", "plan", "connect", "disconnect", "tenant"):
             return getattr(self, "_" + words[0])(words[1] if len(words) > 1 else "")
         args = parse_line(self.pagedkv, line)
         if args.command != "load":
@@ -118,6 +123,15 @@ class PagedKVMagics(Magics):
     def _requests(self, args) -> None:
         engine = self.session.require_engine()
         print(requests_table(self.session, engine))
+
+    def _tenants(self, args) -> None:
+        print(tenants_table(self.session.require_engine().stats()))
+
+    def _tenant(self, line: str) -> None:
+        try:
+            print(set_tenant_line(self.session.require_engine(), line))
+        except ValueError as err:
+            raise UsageError(str(err)) from None
 
     def _reset_cache(self, args) -> None:
         n = self.session.require_engine().reset_prefix_cache()

@@ -51,3 +51,4 @@ def block_map(snapshot: dict, width: int = 64, max_chars: int = 512) -> str:
     scale = "one character per block" if group == 1 else f"one character per {group} blocks"
     lines.append(f"legend ({scale}): . free  c cached (reusable prefix)  u used  s shared")
     return "\n".join(lines)
+

@@ -448,6 +448,32 @@ def test_generate_and_chat_carry_a_tenant(ip):
     run(ip, "%chat tenant_s --reset")
 
 
+def test_pagedkv_tenants_table_and_tenant_settings(ip, capsys):
+    """`%pagedkv tenant` sets a weight and cap (one line back, one line for bad input);
+    `%pagedkv tenants` prints a row per tenant; `%pagedkv status` a line per tenant."""
+    capsys.readouterr()
+    run(ip, "%pagedkv tenant alice --weight 2 --max-blocks 64")
+    assert capsys.readouterr().out.startswith("tenant alice: weight 2, at most 64 blocks; holds 0 blocks")
+    run(ip, f"{GEN} --tenant alice\nName a colour.")
+    capsys.readouterr()
+    run(ip, "%pagedkv tenants")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("policy: fcfs; pool: ")
+    assert out[1].split()[:4] == ["tenant", "weight", "cap", "share"]
+    alice = next(line.split() for line in out if line.startswith("alice "))
+    assert alice[1:3] == ["2", "64"]
+    run(ip, "%pagedkv status")
+    assert "  alice: 0 blocks (cap 64)" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=r"^tenant 'alice': weight must be a positive number"):
+        run(ip, "%pagedkv tenant alice --weight -1")
+    with pytest.raises(UsageError, match=r"^usage: %pagedkv tenant NAME"):
+        run(ip, "%pagedkv tenant")
+    run(ip, "%pagedkv tenant alice --max-blocks 1")
+    with pytest.raises(UsageError, match=r"^tenant 'alice' may hold at most 1 blocks \(max_blocks\)"):
+        run(ip, f"{GEN} --tenant alice\nName a colour.")
+    current().engine.set_tenant("alice", max_blocks=None)
+
+
 # -- reload, unload (last: they take the module's engine away) ------------------------------------------
 
 def test_loading_again_replaces_the_engine_cleanly(ip, capsys):
