@@ -142,3 +142,43 @@ def test_ciede2000_matches_published_pairs():
              ((60.2574, -34.0099, 36.2677), (60.4626, -34.1751, 39.4387), 1.2644)]
     for p, q, want in cases:
         assert ciede2000(np.array(p), np.array(q)) == pytest.approx(want, abs=1e-4)
+
+
+def tenant_colours() -> list[tuple[int, int, int]]:
+    """blockmap.js's TENANT_COLORS, one [r, g, b] per line (the colour-by-tenant mode)."""
+    js = (STATIC / "blockmap.js").read_text()
+    block = js[js.index("export const TENANT_COLORS = ["):]
+    block = block[:block.index("];")]
+    return [tuple(map(int, m)) for m in re.findall(r"\[(\d+), (\d+), (\d+)\]", block)]
+
+
+@pytest.mark.parametrize("deficiency", list(DEFICIENCIES))
+def test_the_first_six_tenants_stay_apart_from_each_other_and_from_cached_and_free(deficiency):
+    """In tenant mode free and cached blocks keep their state colours beside the tenants' ones."""
+    tenants = tenant_colours()
+    assert len(tenants) >= 6
+    for theme, states in palettes().items():
+        palette = {**{f"tenant {i}": c for i, c in enumerate(tenants[:6])},
+                   "free": states["free"], "cached": states["cached"]}
+        de, a, b = closest_pair(palette, deficiency)
+        assert de >= MIN_DE, (f"{theme} theme, {deficiency}: {a} and {b} are only {de:.1f} apart "
+                              f"(CIEDE2000, need {MIN_DE})")
+
+
+def test_the_cue_drawn_on_each_tenant_colour_differs_from_it_in_lightness():
+    """blockmap.js draws the shared mark (and the ref count) on a tenant's colour in MARK or STRIPE,
+    whichever has the higher WCAG contrast (cueOn): that one must be 30 L* away under any deficiency."""
+    js = (STATIC / "blockmap.js").read_text()
+    cue = {name: tuple(map(int, re.search(rf"export const {name} = \[(\d+), (\d+), (\d+)\];", js).groups()))
+           for name in ("MARK", "STRIPE")}
+
+    def luminance(rgb) -> float:
+        return float(np.dot(linear(rgb), [0.2126, 0.7152, 0.0722]))
+
+    for colour in tenant_colours():
+        lum = luminance(colour) + 0.05
+        light = (luminance(cue["MARK"]) + 0.05) / lum >= lum / (luminance(cue["STRIPE"]) + 0.05)
+        mark = cue["MARK"] if light else cue["STRIPE"]
+        for deficiency in DEFICIENCIES:
+            dl = abs(seen(mark, deficiency)[0] - seen(colour, deficiency)[0])
+            assert dl >= 30, f"{deficiency}: the cue on tenant colour {colour} is only {dl:.1f} L* away"

@@ -4,7 +4,8 @@
 //
 // Data: frames from jupyter_pagedkv/monitor/feed.py. A full frame replaces the picture; a diff
 // (`prev` = the seq it applies on) carries parallel arrays ids (uint32), codes (uint8, index into
-// `legend`) and refs (uint8, ref count capped at 255) for the blocks that changed.
+// `legend`) and refs (uint8, ref count capped at 255) for the blocks that changed, and `owners` /
+// `tenants` ({block: [request ids]}, {block: [tenant names]}) for those of them in use.
 
 /** RGB of each known state; any other state name gets a stable colour from its name. The Okabe-Ito
  * palette, chosen so the states stay apart with protanopia, deuteranopia and tritanopia in both
@@ -29,6 +30,21 @@ const STACK = ["shared", "speculative", "used", "swapped", "cached", "free"];
 // stripes. Both differ from their state colour in lightness, which every colour deficiency keeps.
 export const MARK = [255, 255, 255];
 export const STRIPE = [72, 28, 56];
+/** Tenant colours in "colour by tenant" mode, in the order tenants are listed (EngineStats.tenants:
+ * by name, the unnamed last): every pair of the first six, with cached and both themes' free grey,
+ * at least 15 CIEDE2000 apart under protanopia, deuteranopia and tritanopia
+ * (tests/widgets/test_palette.py); ordered so the first few are farthest apart. Okabe-Ito's yellow,
+ * bluish green and reddish purple, Paul Tol's muted indigo, his vibrant red, IBM's violet. A seventh
+ * tenant on gets a colour from its name. One tenant per line: the palette test parses it. */
+export const TENANT_COLORS = [
+  [51, 34, 136],
+  [240, 228, 66],
+  [204, 51, 17],
+  [120, 94, 240],
+  [0, 158, 115],
+  [204, 121, 167],
+];
+export const MODES = ["state", "tenant"];
 const BACKGROUND = [255, 255, 255];
 const HISTORY = 240;
 /** The colours taken from the host page; this default is JupyterLab's light theme. */
@@ -42,6 +58,8 @@ export function colorOf(state) {
 }
 
 const css = (rgb) => `rgb(${rgb[0]},${rgb[1]},${rgb[2]})`;
+// Tenant names are the user's text: never HTML.
+const escapeHtml = (text) => String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
 
 function bytesOf(x) {
   if (!x) return new Uint8Array(0);
@@ -60,7 +78,7 @@ function u32Of(x) {
 export function createStore() {
   return {
     seq: -1, numBlocks: 0, blockSize: 0, legend: [], codes: new Uint8Array(0),
-    refs: new Uint8Array(0), owners: new Map(), gauges: null, history: [], closed: false,
+    refs: new Uint8Array(0), owners: new Map(), tenants: new Map(), gauges: null, history: [], closed: false,
   };
 }
 
@@ -84,6 +102,7 @@ export function applyFrame(store, frame) {
     store.codes = bytesOf(frame.codes).slice();
     store.refs = bytesOf(frame.refs).slice();
     store.owners = new Map(Object.entries(frame.owners || {}).map(([k, v]) => [Number(k), v]));
+    store.tenants = new Map(Object.entries(frame.tenants || {}).map(([k, v]) => [Number(k), v]));
     store.gauges = frame.gauges;
     store.history = (frame.history || []).slice(-HISTORY);
     store.seq = frame.seq;
@@ -99,9 +118,11 @@ export function applyFrame(store, frame) {
     store.codes[ids[i]] = codes[i];
     store.refs[ids[i]] = refs[i];
   }
-  for (const [k, v] of Object.entries(frame.owners || {})) {
-    if (v.length) store.owners.set(Number(k), v);
-    else store.owners.delete(Number(k));
+  for (const key of ["owners", "tenants"]) {
+    for (const [k, v] of Object.entries(frame[key] || {})) {
+      if (v.length) store[key].set(Number(k), v);
+      else store[key].delete(Number(k));
+    }
   }
   store.legend = frame.legend.slice();
   store.gauges = frame.gauges;
@@ -193,9 +214,57 @@ export function themeOf(el) {
   return { background, free, ink };
 }
 
+/** The tenants in the order of their colours: EngineStats.tenants' (by name, the unnamed last),
+ * then, sorted, any a block names that the gauges do not. */
+export function tenantNames(store) {
+  const names = Object.keys((store.gauges && store.gauges.tenants) || {});
+  const extra = new Set();
+  for (const list of store.tenants.values()) for (const t of list) if (!names.includes(t)) extra.add(t);
+  return names.concat([...extra].sort());
+}
+
+export const tenantColor = (i, name) => (i < TENANT_COLORS.length ? TENANT_COLORS[i] : colorOf(`tenant ${name}`));
+
+/** MARK or STRIPE, whichever stands out more on `rgb` (WCAG contrast: lightness, which every
+ * colour deficiency keeps): the cue drawn on a tenant's colour, light or dark. */
+export function cueOn(rgb) {
+  const l = luminance(rgb) + 0.05;
+  return (luminance(MARK) + 0.05) / l >= l / (luminance(STRIPE) + 0.05) ? MARK : STRIPE;
+}
+
+/** How blocks are painted in `mode`: a class per block (`cls`) and per class a colour, stripes and a
+ * stacking rank. "state": the classes are the legend's states. "tenant": a block one tenant's
+ * requests hold is that tenant's class, one several tenants hold the class `cross` (drawn split
+ * between two of them, or as a light and dark hatch in a stacked bar); unheld blocks (free, cached)
+ * keep their state. */
+export function paintPlan(store, theme = LIGHT, mode = "state") {
+  const colors = store.legend.map((s) => (s === "free" ? theme.free : colorOf(s)));
+  const striped = store.legend.map((s) => s === "swapped");
+  const rank = store.legend.map((s) => (STACK.indexOf(s) < 0 ? 1.5 : STACK.indexOf(s)));
+  const plan = { cls: store.codes, colors, striped, rank, names: [], index: new Map(), cross: -1,
+    barMark: store.legend.indexOf("shared"), cue: () => MARK };
+  if (mode !== "tenant") return plan;
+  const names = tenantNames(store);
+  names.forEach((n, i) => {
+    plan.index.set(n, colors.length);
+    colors.push(tenantColor(i, n));
+    striped.push(false);
+    rank.push(-1);
+  });
+  plan.cross = colors.length;
+  colors.push(MARK);
+  striped.push(true);
+  rank.push(-2);
+  const cls = Uint16Array.from(store.codes);
+  for (const [b, list] of store.tenants) {
+    if (b < cls.length && list.length) cls[b] = list.length > 1 ? plan.cross : plan.index.get(list[0]);
+  }
+  return { ...plan, cls, names, barMark: -1, cue: cueOn };
+}
+
 /** Paint the block map into `canvas` (1 canvas px per CSS px, so pixels can be checked), in the
- * colours of `theme` (themeOf; LIGHT when not given). */
-export function drawBlocks(canvas, store, lay, highlight, theme = LIGHT) {
+ * colours of `theme` (themeOf; LIGHT when not given), coloured by state or by tenant (`mode`). */
+export function drawBlocks(canvas, store, lay, highlight, theme = LIGHT, mode = "state") {
   canvas.width = lay.width;
   canvas.height = lay.height;
   canvas.style.width = `${lay.width}px`;
@@ -219,35 +288,50 @@ export function drawBlocks(canvas, store, lay, highlight, theme = LIGHT) {
       for (let x = x0; x < x0 + w; x++) set(x, y, striped && (x + y) % 3 === 0 ? STRIPE : rgb);
     }
   };
-  const colors = store.legend.map((s) => (s === "free" ? theme.free : colorOf(s)));
-  const striped = store.legend.map((s) => s === "swapped");
+  const plan = paintPlan(store, theme, mode);
+  const { colors, striped, rank, cls, cue } = plan;
   const { cell, gap, group, cols } = lay;
   const inner = cell - gap;
   // The shared mark: a corner triangle about 2/5 of the cell wide (3 px of a 3 px cell).
   const corner = Math.max(2, Math.round(inner * 0.4));
-  const rank = store.legend.map((s) => (STACK.indexOf(s) < 0 ? 1.5 : STACK.indexOf(s)));
-  const order = store.legend.map((_, i) => i).sort((a, b) => rank[a] - rank[b]);
-  const counts = new Uint32Array(store.legend.length);
+  const order = colors.map((_, i) => i).sort((a, b) => rank[a] - rank[b]);
+  const counts = new Uint32Array(colors.length);
   const freeCode = store.legend.indexOf("free");
-  const sharedCode = store.legend.indexOf("shared");
+  const sharedCode = plan.barMark;
   const labels = [];
   for (let c = 0; c < lay.cells; c++) {
     const x0 = (c % cols) * cell;
     const y0 = Math.floor(c / cols) * cell;
     const start = c * group;
     if (group === 1) {
-      const code = store.codes[start];
-      fill(x0, y0, inner, inner, colors[code] || bg, striped[code]);
+      const code = cls[start];
+      let color = colors[code] || bg;
+      let labelColor = cue(color);
+      if (code === plan.cross) {
+        // Several tenants: split along the diagonal between the first two, the split itself a
+        // dashed light-and-dark line that shows on any pair of colours.
+        const [a, b] = store.tenants.get(start).map((t) => colors[plan.index.get(t)]);
+        for (let y = 0; y < inner; y++) {
+          for (let x = 0; x < inner; x++) {
+            const d = x + y - (inner - 1);
+            set(x0 + x, y0 + y, d < 0 ? a : d > 0 ? b : x % 2 ? STRIPE : MARK);
+          }
+        }
+        [color, labelColor] = [a, cue(b)];
+      } else {
+        fill(x0, y0, inner, inner, color, striped[code]);
+      }
       const ref = store.refs[start];
       if (ref > 1) {
-        for (let y = 0; y < corner; y++) for (let x = 0; x < corner - y; x++) set(x0 + x, y0 + y, MARK);
-        if (inner >= 10) labels.push([x0, y0, ref]);
+        const mark = cue(color);
+        for (let y = 0; y < corner; y++) for (let x = 0; x < corner - y; x++) set(x0 + x, y0 + y, mark);
+        if (inner >= 10) labels.push([x0, y0, ref, labelColor]);
       }
       continue;
     }
     counts.fill(0);
     const end = Math.min(store.numBlocks, start + group);
-    for (let b = start; b < end; b++) counts[store.codes[b]]++;
+    for (let b = start; b < end; b++) counts[cls[b]]++;
     // Stacked from the bottom, busiest states first; a state present gets at least 1 px.
     let y = y0 + inner;
     let left = inner;
@@ -275,12 +359,13 @@ export function drawBlocks(canvas, store, lay, highlight, theme = LIGHT) {
     }
   }
   if (labels.length) {
-    // The count goes bottom-right, clear of the corner mark; MARK on the dark shared colour.
-    ctx.fillStyle = css(MARK);
+    // The count goes bottom-right, clear of the corner mark; MARK on the dark shared colour (a
+    // tenant's colour gets whichever of MARK and STRIPE shows more).
     ctx.font = `${Math.max(7, inner - 4)}px sans-serif`;
     ctx.textAlign = "center";
     ctx.textBaseline = "middle";
-    for (const [x, y, ref] of labels) {
+    for (const [x, y, ref, color] of labels) {
+      ctx.fillStyle = css(color);
       ctx.fillText(ref > 9 ? "+" : String(ref), x + inner * 0.58, y + inner * 0.58 + 0.5);
     }
   }
@@ -339,6 +424,23 @@ export function gaugeRows(g) {
   return rows;
 }
 
+const ms = (s) => (s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`);
+
+/** Per-tenant gauges (EngineStats.tenants), one row each: { name, text, used, share, cap }. */
+export function tenantRows(g) {
+  return Object.values((g && g.tenants) || {}).map((t) => {
+    const shared = t.blocks_shared ? ` (${t.blocks_shared} shared)` : "";
+    const cap = t.max_blocks == null ? "" : `, cap ${t.max_blocks}`;
+    const preempted = t.num_preempted ? ` · ${t.num_preempted} preempted` : "";
+    const ttft = t.ttft_p50 == null ? "" : ` · TTFT ${ms(t.ttft_p50)} / ${t.tail_name} ${ms(t.ttft_p99)}`;
+    return {
+      name: t.name, used: t.blocks_used, share: t.share, cap: t.max_blocks,
+      text: `${t.blocks_used} block${t.blocks_used === 1 ? "" : "s"}${shared}, share ${Math.round(t.share)}${cap}` +
+        ` · ${t.num_running} running · ${t.num_waiting} waiting${preempted}${ttft}`,
+    };
+  });
+}
+
 // Colours come from JupyterLab's theme variables; where a host has none (VS Code, Colab) text
 // falls back to the colour it inherits, which the host keeps readable on its own background.
 // Secondary text uses --jp-ui-font-color2, which the JupyterLab themes keep at 4.5:1 or more on
@@ -354,7 +456,37 @@ const STYLE = `
 .pkv-legend i { display: inline-block; width: 10px; height: 10px; margin-right: 3px; vertical-align: -1px; }
 .pkv-hover { min-height: 1.4em; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .pkv-note { font-style: italic; }
+.pkv-keys { display: flex; flex-wrap: wrap; align-items: baseline; gap: 2px 12px; margin-top: 4px; }
+.pkv-keys .pkv-legend { margin-top: 0; flex: 1 1 auto; }
+.pkv-mode { white-space: nowrap; color: var(--jp-ui-font-color2, currentColor); }
+.pkv-mode button { font: inherit; color: var(--jp-ui-font-color1, currentColor); background: transparent; cursor: pointer;
+  border: 1px solid var(--jp-border-color1, currentColor); padding: 0 6px; margin: 0; }
+.pkv-mode button + button { border-left: none; }
+.pkv-mode button[aria-pressed="true"] { background: var(--jp-layout-color2, rgb(238,238,238)); font-weight: 600; }
+.pkv-tenants { display: grid; grid-template-columns: max-content 48px 1fr; gap: 1px 8px; align-items: center; margin-bottom: 6px; }
+.pkv-tenants .pkv-k { color: var(--jp-ui-font-color2, currentColor); white-space: nowrap; }
+.pkv-tbar { position: relative; display: block; height: 6px; background: var(--jp-layout-color2, rgb(238,238,238)); }
+.pkv-tbar b { position: absolute; left: 0; top: 0; bottom: 0; }
+.pkv-tbar em { position: absolute; top: -2px; bottom: -2px; width: 1px; background: var(--jp-ui-font-color1, currentColor); }
 `;
+
+/** The tenant legend: free and cached as in state mode, each tenant's colour, the mark of a block
+ * several tenants hold and of a shared one, as [CSS background, label] pairs. */
+export function tenantLegend(store, theme = LIGHT) {
+  const names = tenantNames(store);
+  const colors = names.map((n, i) => css(tenantColor(i, n)));
+  const keys = ["free", "cached"].filter((s) => store.legend.includes(s)).map((s) => [swatch(s, theme), s]);
+  names.forEach((n, i) => keys.push([colors[i], n]));
+  if (names.length > 1) {
+    keys.push([`linear-gradient(to bottom right, ${colors[0]} 0 40%, ${css(MARK)} 40% 50%, ${css(STRIPE)} 50% 60%, ` +
+      `${colors[1]} 60%)`, "several tenants"]);
+  }
+  if (names.length) {
+    const mark = css(cueOn(tenantColor(0, names[0])));
+    keys.push([`linear-gradient(135deg, ${mark} 0 35%, transparent 35%), ${colors[0]}`, "shared"]);
+  }
+  return keys;
+}
 
 /** A legend swatch's CSS background: the state's colour with the same second cue as the map. */
 function swatch(state, theme) {
@@ -383,7 +515,9 @@ function describe(store, lay, cellIndex) {
     const owners = store.owners.get(start) || [];
     const refText = ref > 1 ? ` ×${ref}` : "";
     const who = owners.length ? ` — ${owners.join(", ")}` : "";
-    return { text: `block ${start}: ${state}${refText}${who}`, owner: owners[0] || null };
+    const tenants = store.tenants.get(start) || [];
+    const whose = tenants.length ? ` · tenant${tenants.length > 1 ? "s" : ""} ${tenants.join(", ")}` : "";
+    return { text: `block ${start}: ${state}${refText}${who}${whose}`, owner: owners[0] || null };
   }
   const end = Math.min(store.numBlocks, start + lay.group);
   const counts = new Map();
@@ -395,8 +529,9 @@ function describe(store, lay, cellIndex) {
   return { text: `blocks ${start}–${end - 1}: ${parts.join(", ")}`, owner: null };
 }
 
-/** Build the monitor's DOM inside `el`; returns { apply(frame), store, dispose() }. The picture is
- * redrawn at most once per animation frame however fast frames arrive. */
+/** Build the monitor's DOM inside `el`; returns { apply(frame), store, setMode(mode), dispose() }.
+ * The picture is redrawn at most once per animation frame however fast frames arrive. The "colour
+ * by" toggle shows once the engine knows tenants; its choice stays for the view's life. */
 export function mount(el, opts = {}) {
   const doc = el.ownerDocument || document;
   ensureStyle(doc);
@@ -405,12 +540,16 @@ export function mount(el, opts = {}) {
   const root = doc.createElement("div");
   root.className = "pkv-root";
   root.innerHTML = `<div class="pkv-title"></div><div class="pkv-bar"></div><div class="pkv-gauges"></div>
-    <canvas class="pkv-blocks"></canvas><div class="pkv-hover"></div>
-    <canvas class="pkv-spark" width="240" height="28"></canvas><div class="pkv-legend"></div>`;
+    <div class="pkv-tenants"></div><canvas class="pkv-blocks"></canvas><div class="pkv-hover"></div>
+    <canvas class="pkv-spark" width="240" height="28"></canvas><div class="pkv-keys"><span class="pkv-mode"
+    role="group" aria-label="colour blocks by">colour by <button type="button" data-mode="state">state</button><button
+    type="button" data-mode="tenant">tenant</button></span><div class="pkv-legend"></div></div>`;
   el.appendChild(root);
   const q = (sel) => root.querySelector(sel);
   const title = q(".pkv-title"), bar = q(".pkv-bar"), gauges = q(".pkv-gauges");
   const blocks = q(".pkv-blocks"), hover = q(".pkv-hover"), spark = q(".pkv-spark"), legend = q(".pkv-legend");
+  const tenantBox = q(".pkv-tenants"), modeBox = q(".pkv-mode");
+  let mode = MODES.includes(opts.mode) ? opts.mode : "state";
   title.textContent = opts.title || "KV cache";
   let lay = layout(1, 1, 1);
   let highlight = null;
@@ -429,16 +568,38 @@ export function mount(el, opts = {}) {
     const g = store.gauges;
     lay = layout(store.numBlocks, width(), maxHeight);
     const theme = themeOf(root);
-    drawBlocks(blocks, store, lay, highlight, theme);
+    const tenants = tenantRows(g);
+    const shown = tenants.length ? mode : "state";
+    drawBlocks(blocks, store, lay, highlight, theme, shown);
     const n = g.num_blocks || 1;
     const shares = [["shared", g.num_shared], ["used", g.num_used - g.num_shared], ["cached", g.num_cached]];
     bar.innerHTML = shares.filter(([, k]) => k > 0)
       .map(([s, k]) => `<span style="width:${(100 * k) / n}%;background:${css(colorOf(s))}"></span>`).join("");
     bar.style.background = css(theme.free);
-    gauges.innerHTML = gaugeRows(g).map(([k, v]) => `<span class="pkv-k">${k}</span><span>${v}</span>`).join("");
-    const scale = lay.group === 1 ? "one cell per block" : `one cell per ${lay.group} blocks (stacked by state)`;
-    legend.innerHTML = store.legend.filter((s) => s in COLORS || (g.states && g.states[s]))
-      .map((s) => `<span><i style="background:${swatch(s, theme)}"></i>${s}</span>`).join("") +
+    const rows = gaugeRows(g);
+    if (tenants.length) rows.push(["tenants", `${tenants.length} · ${g.scheduling_policy} scheduling`]);
+    gauges.innerHTML = rows.map(([k, v]) => `<span class="pkv-k">${k}</span><span>${v}</span>`).join("");
+    // Per tenant: its blocks against its fair share (the tick) and cap, its queue and TTFT.
+    const names = tenantNames(store);
+    tenantBox.style.display = tenants.length ? "" : "none";
+    modeBox.style.display = tenants.length ? "" : "none";
+    tenantBox.innerHTML = tenants.map((t) => {
+      const i = names.indexOf(t.name);
+      const color = css(shown === "tenant" ? tenantColor(i, t.name) : COLORS.used);
+      const key = shown === "tenant" ? `<i style="display:inline-block;width:10px;height:10px;margin-right:3px;` +
+        `vertical-align:-1px;background:${color}"></i>` : "";
+      const top = Math.max(1, t.used, t.share, t.cap || 0);
+      return `<span class="pkv-k">${key}${escapeHtml(t.name)}</span><span class="pkv-tbar" style="background:${css(theme.free)}">` +
+        `<b style="width:${(100 * t.used) / top}%;background:${color}"></b><em style="left:${(100 * t.share) / top}%"></em>` +
+        `</span><span>${t.text}</span>`;
+    }).join("");
+    for (const b of modeBox.querySelectorAll("button")) b.setAttribute("aria-pressed", String(b.dataset.mode === shown));
+    root.dataset.mode = shown;
+    const by = shown === "tenant" ? "tenant" : "state";
+    const scale = lay.group === 1 ? "one cell per block" : `one cell per ${lay.group} blocks (stacked by ${by})`;
+    const keys = shown === "tenant" ? tenantLegend(store, theme)
+      : store.legend.filter((s) => s in COLORS || (g.states && g.states[s])).map((s) => [swatch(s, theme), s]);
+    legend.innerHTML = keys.map(([bgc, label]) => `<span><i style="background:${bgc}"></i>${escapeHtml(label)}</span>`).join("") +
       `<span>${scale} · ${store.numBlocks.toLocaleString()} blocks × ${store.blockSize} tokens</span>`;
     drawSparkline(spark, store.history);
     root.dataset.seq = String(store.seq);
@@ -456,6 +617,13 @@ export function mount(el, opts = {}) {
     pending = raf ? raf(render) : setTimeout(render, 16);
   }
 
+  modeBox.addEventListener("click", (ev) => {
+    const next = ev.target && ev.target.dataset ? ev.target.dataset.mode : null;
+    if (MODES.includes(next) && next !== mode) {
+      mode = next;
+      schedule();
+    }
+  });
   blocks.addEventListener("mousemove", (ev) => {
     const r = blocks.getBoundingClientRect();
     const col = Math.floor((ev.clientX - r.left) / lay.cell);
@@ -491,6 +659,10 @@ export function mount(el, opts = {}) {
     store,
     setTitle(text) {
       title.textContent = text;
+    },
+    setMode(next) {
+      if (MODES.includes(next)) mode = next;
+      schedule();
     },
     apply(frame) {
       const result = applyFrame(store, frame);
