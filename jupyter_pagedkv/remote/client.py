@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 
 from ..core.stats import Throughput
 from ..engine.frontend import GenerationFront, check_messages
+from ..engine.intake import check_tenant
+from .cache_salt import check_salt_support, salt_refused
 from .errors import RemoteError
 from .inspection import RemoteInspection
 from ..engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
@@ -62,6 +64,7 @@ class RemoteRequest:
     conn: http.client.HTTPConnection | None = None
     sock: socket.socket | None = None    # kept: http.client drops conn.sock once a response owns it
     thread: threading.Thread | None = None
+    tenant: str | None = None            # sent as the body's cache_salt
 
     @property
     def finished(self) -> bool:
@@ -153,6 +156,8 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         if status in (401, 403):
             hint = "pass the server's key with --api-key" if not self.api_key else "check --api-key"
             return RemoteError(f"{self.url} refused the request (HTTP {status}, unauthorized): {hint}")
+        if status == 400 and "cache_salt" in message:
+            return salt_refused(self.url, getattr(self, "version", None), message)
         if status == 404 and "model" in message.lower():
             return RemoteError(f"{self.url}: {message}; pass --model with one of "
                                f"{', '.join(getattr(self, 'served_models', []) or ['its models'])}")
@@ -198,20 +203,23 @@ class RemoteEngine(RemoteInspection, GenerationFront):
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, listener: queue.SimpleQueue | None = None,
                     tenant: str | None = None) -> str:
-        """Start one streamed request on its own thread; returns its id (as the local engine's)."""
-        if tenant is not None:
-            raise ValueError("tenant= is not sent to a server yet (vLLM's cache_salt is the planned carrier): "
-                             "leave it out for a RemoteEngine, or use a local Engine")
+        """Start one streamed request on its own thread; returns its id (as the local engine's).
+        `tenant` goes as vLLM's cache_salt (>= 0.9; else one line, nothing sent): the server salts
+        per request, so a named tenant's prefixes are always isolated (no "global" scope here)."""
+        if (tenant := check_tenant(tenant)) is not None:
+            check_salt_support(self.url, self.version)
         params = params or SamplingParams()
         params.validate()
         body = self._body(prompt, params)
+        if tenant is not None:
+            body["cache_salt"] = tenant
         text = prompt if isinstance(prompt, str) else None
         ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
         with self._lock:
             rid = request_id if request_id is not None else f"remote-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-            req = RemoteRequest(rid, text, ids, params, RequestMetrics(time.perf_counter()))
+            req = RemoteRequest(rid, text, ids, params, RequestMetrics(time.perf_counter()), tenant=tenant)
             if listener is not None:
                 req.listeners.append(listener)
             self._requests[rid] = req
@@ -377,7 +385,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         outs = [CompletionOutput(i, req.texts.get(i, ""), req.tokens.get(i, []), req.finish.get(i))
                 for i in range(n)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.num_cached_tokens or 0, req.metrics)
+                             req.num_cached_tokens or 0, req.metrics, req.tenant)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request: shut its connection (vLLM aborts on disconnect); False if not live."""

@@ -1,13 +1,10 @@
-"""The server client without a server: a tiny fake OpenAI-compatible HTTP server for its error paths
-(auth, wrong model, unreachable, timeout, dropped stream), the Prometheus and msgpack readers, and
-the KV-event block map. The real vLLM server is exercised in test_remote_vllm.py."""
+"""The server client without a server: a tiny fake OpenAI-compatible HTTP server (fake_vllm.py) for
+its error paths (auth, wrong model, unreachable, timeout, dropped stream), the Prometheus and
+msgpack readers, and the KV-event block map. The real vLLM server is exercised in test_remote_vllm.py."""
 from __future__ import annotations
 
-import json
 import struct
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from IPython.core.error import UsageError
@@ -20,107 +17,7 @@ from jupyter_pagedkv.core.sampling_params import SamplingParams
 from jupyter_pagedkv.remote.server_metrics import KV_USAGE, PREFIX_HITS, ServerMetrics, parse_prometheus
 from jupyter_pagedkv.notebook.session import KernelSession
 
-METRICS = """\
-# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
-vllm:num_requests_running{engine="0",model_name="m"} 3.0
-vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
-vllm:prefix_cache_queries_total{engine="0",model_name="m"} 200.0
-vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0
-vllm:prefix_cache_hits_total{engine="0",model_name="other"} 1000.0
-vllm:generation_tokens_total{engine="0",model_name="m"} 500.0
-vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
-vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 4.0
-vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 6.0
-vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="100"} 1.0
-"""
-
-
-class FakeServer(BaseHTTPRequestHandler):
-    """Serves model 'm'; the prompt text picks the behaviour: ok, drop, hang, error."""
-
-    key: str | None = None
-    metrics: str = METRICS     # a test may swap in other gauges between scrapes
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _authorized(self) -> bool:
-        if self.key and self.headers.get("Authorization") != f"Bearer {self.key}":
-            self._json(401, {"error": "Unauthorized"})
-            return False
-        return True
-
-    def _json(self, status: int, obj) -> None:
-        body = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        if self.path == "/metrics":
-            body = self.metrics.encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        elif self._authorized() and self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": "m"}]})
-        elif self.path == "/version":
-            self._json(200, {"version": "fake"})
-
-    def do_POST(self) -> None:
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if not self._authorized():
-            return
-        if req["model"] != "m":
-            self._json(404, {"error": {"message": f"The model `{req['model']}` does not exist."}})
-            return
-        prompt = req.get("prompt")
-        if prompt == "fail500":
-            self._json(500, {"error": {"message": "CUDA error: an illegal memory access was encountered"}})
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-
-        def send(obj) -> None:
-            self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-            self.wfile.flush()
-
-        send({"choices": [{"index": 0, "text": "Hello", "token_ids": [1]}], "prompt_token_ids": [5, 6, 7]})
-        if prompt == "hang":
-            time.sleep(3)
-            return
-        send({"choices": [{"index": 0, "text": " world", "token_ids": [2]}]})
-        if prompt == "drop":
-            return   # connection closes without a finish reason or [DONE]
-        if prompt == "garbled":
-            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"\n\n')   # cut-off JSON
-            self.wfile.flush()
-            return
-        if prompt == "error-event":
-            send({"error": {"message": "engine dead: EngineCore encountered an issue"}})
-            return
-        send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-        send({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
-                                       "prompt_tokens_details": {"cached_tokens": 2}}})
-        self.wfile.write(b"data: [DONE]\n\n")
-
-
-@pytest.fixture
-def fake():
-    handler = type("Handler", (FakeServer,), {"key": None, "metrics": METRICS})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield handler, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
+from fake_vllm import METRICS, fake  # noqa: F401  (fake: the fixture)
 
 def test_generate_stream_and_usage(fake):
     _, url = fake
