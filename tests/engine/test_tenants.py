@@ -113,10 +113,3 @@ def test_a_bad_scope_is_one_line(make_engine):
     with pytest.raises(ValueError, match=r"prefix_cache_scope must be 'global' or 'tenant', got 'user'"):
         make_engine(MODEL, block_size=4, num_blocks=16, prefix_cache_scope="user")
 
-
-def test_the_server_client_says_it_cannot_send_a_tenant_yet():
-    from jupyter_pagedkv.remote.client import RemoteEngine
-
-    client = RemoteEngine.__new__(RemoteEngine)         # no server needed: refused before any I/O
-    with pytest.raises(ValueError, match="tenant= is not sent to a server yet"):
-        client.add_request("hi", SamplingParams(max_tokens=1), tenant="alice")
