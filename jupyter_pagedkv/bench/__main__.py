@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,monitor,kernels,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,tenants,monitor,kernels,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -23,6 +23,8 @@ def main(argv: list[str]) -> int:
         from .speculative import main as run
     elif name == "tail":
         from .tail import main as run
+    elif name == "tenants":
+        from .tenants import main as run
     elif name == "monitor":
         from .monitor import main as run
     elif name == "soak":
