@@ -365,9 +365,10 @@ def pool_snapshot(pool: BlockPool, seqs: Seq[Sequence], block_ids: Iterable[int]
         for block in seq.block_table.blocks:
             if wanted is None or block.block_id in wanted:
                 owners.setdefault(block.block_id, []).append(seq.request_id)
-    # Which tenants reference each block (UNNAMED for requests that named none); a block two
-    # tenants share lists both. Only blocks in use appear.
-    tenants = {b.block_id: sorted(UNNAMED if t is None else t for t in b.owners) for b in blocks if b.owners}
+    # Which tenants reference each block (UNNAMED for requests that named none, listed last, as
+    # EngineStats.tenants orders them); a block two tenants share lists both. Only blocks in use.
+    tenants = {b.block_id: [UNNAMED if t is None else t for t in sorted(b.owners, key=lambda t: (t is None, t or ""))]
+               for b in blocks if b.owners}
     snap = {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
             "states": [block_state(b) for b in blocks], "ref_counts": [b.ref_count for b in blocks],
             "owners": owners, "tenants": tenants}

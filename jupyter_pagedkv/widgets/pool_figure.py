@@ -42,6 +42,30 @@ def cue_colours() -> dict[str, tuple[float, float, float]]:
     return found
 
 
+@lru_cache(maxsize=1)
+def tenant_colours() -> list[tuple[float, float, float]]:
+    """blockmap.js's `TENANT_COLORS`, in the order tenants are listed (by name, unnamed last)."""
+    source = (STATIC / "blockmap.js").read_text()
+    table = re.search(r"export const TENANT_COLORS = \[(.*?)\];", source, re.S)
+    if table is None:
+        raise RuntimeError("blockmap.js has no `export const TENANT_COLORS = [...]` table")
+    return [_rgb(r, g, b) for r, g, b in re.findall(r"\[(\d+), (\d+), (\d+)\]", table.group(1))]
+
+
+def tenant_order(snapshot: dict) -> list[str]:
+    """The tenants holding blocks in `snapshot`, as the monitor lists them: by name, unnamed last."""
+    names = {t for ts in snapshot.get("tenants", {}).values() for t in ts}
+    return sorted(names, key=lambda n: (n == "(unnamed)", n))
+
+
+def _tenant_colour(i: int) -> tuple[float, float, float]:
+    colours = tenant_colours()
+    if i < len(colours):
+        return colours[i]
+    import matplotlib
+    return matplotlib.colormaps["tab10"](i % 10)[:3]
+
+
 SWAPPED_HATCH = "////"
 
 
@@ -81,15 +105,22 @@ def _label_grid(ax, columns: int, rows: int, most: int = 12) -> None:
         side.set_visible(False)
 
 
-def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=None):
+def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=None,
+                color_by: str = "state"):
     """Draw `snapshot` (from `engine.pool_snapshot()`): one square per block, coloured by state.
     Shared blocks also get the live map's corner mark and their ref count, swapped blocks its
-    stripes (a hatch), so neither rests on colour alone. Returns the matplotlib Figure."""
+    stripes (a hatch), so neither rests on colour alone. `color_by="tenant"` colours held blocks
+    by the tenant holding them, as the monitor's tenant mode (a block several tenants hold is
+    split between the first two, corner to corner). Returns the matplotlib Figure."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Polygon, Rectangle
 
     if columns < 1:
         raise ValueError(f"columns={columns}: give at least 1 block per row")
+    if color_by not in ("state", "tenant"):
+        raise ValueError(f"color_by must be 'state' or 'tenant', got {color_by!r}")
+    if color_by == "tenant":
+        return _tenant_figure(snapshot, title, columns, ax)
     states, refs = snapshot["states"], snapshot["ref_counts"]
     colours, cues = state_colours(), cue_colours()
     rows = -(-len(states) // columns)
@@ -124,6 +155,53 @@ def pool_figure(snapshot: dict, title: str | None = None, columns: int = 32, ax=
     ax.legend(handles=handles, handler_map=handler_map, loc="upper center", bbox_to_anchor=(0.5, 0.0),
               ncol=len(present) if columns >= 12 else 3, fontsize=FONT, frameon=False)
     ax.set_title(title or f"{len(states)} blocks x {snapshot['block_size']} tokens", fontsize=9)
+    if alone:
+        ax.figure.tight_layout()
+    return ax.figure
+
+
+def _tenant_figure(snapshot: dict, title: str | None, columns: int, ax):
+    """pool_figure's tenant mode: held blocks in their tenant's colour, free and cached as states."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Polygon, Rectangle
+
+    states = snapshot["states"]
+    held_by = {int(k): v for k, v in snapshot.get("tenants", {}).items()}
+    order = tenant_order(snapshot)
+    colour_of = {name: _tenant_colour(i) for i, name in enumerate(order)}
+    colours, cues = state_colours(), cue_colours()
+    rows = -(-len(states) // columns)
+    alone = ax is None
+    if alone:
+        _, ax = plt.subplots(figsize=(max(4.5, min(12, 0.3 * columns + 1.6)), 0.3 * rows + 1.9))
+    counts = dict.fromkeys(order, 0)
+    several = 0
+    for i, state in enumerate(states):
+        x, y = i % columns, rows - 1 - i // columns
+        names = held_by.get(i, [])
+        if not names:
+            ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, color=colours.get(state, (0.4, 0.4, 0.4))))
+            continue
+        for name in names:
+            counts[name] += 1
+        ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, color=colour_of[names[0]]))
+        if len(names) > 1:
+            several += 1
+            ax.add_patch(Polygon([(x + 0.95, y + 0.05), (x + 0.95, y + 0.95), (x + 0.05, y + 0.05)],
+                                 closed=True, lw=0, facecolor=colour_of[names[1]], gid="tenants-split"))
+            ax.plot([x + 0.05, x + 0.95], [y + 0.05, y + 0.95], color=cues["STRIPE"], lw=0.8, ls="--")
+    ax.set(xlim=(0, columns), ylim=(0, rows), aspect="equal")
+    _label_grid(ax, columns, rows)
+    handles = [Patch(color=colour_of[n], label=f"{n} {counts[n]}") for n in order]
+    if several:
+        handles.append(Patch(facecolor=(1, 1, 1), edgecolor=cues["STRIPE"], ls="--",
+                             label=f"several tenants {several}"))
+    for s in ("cached", "free"):
+        if s in states:
+            handles.append(Patch(color=colours[s], label=f"{s} {states.count(s)}"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+              ncol=min(len(handles), 4), fontsize=FONT, frameon=False)
+    ax.set_title(title or f"{len(states)} blocks x {snapshot['block_size']} tokens, by tenant", fontsize=9)
     if alone:
         ax.figure.tight_layout()
     return ax.figure

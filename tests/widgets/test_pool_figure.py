@@ -144,3 +144,38 @@ def test_pool_figure_alone_reads_well():
     check_figure(fig, expect_labels=("block id",))
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "32", "64", "96", "128"]
+
+
+def test_tenant_mode_colours_blocks_by_their_tenant(make_engine):
+    """Two tenants and an unnamed request over one prefix (global scope): each tenant's private
+    blocks carry its colour from blockmap.js, the shared prefix blocks are split, the legend counts
+    what the snapshot says."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Polygon, Rectangle
+
+    from jupyter_pagedkv.widgets.pool_figure import tenant_colours, tenant_order
+
+    engine = make_engine(MODEL, block_size=4, num_blocks=48)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for tenant, tail in (("bob", [60]), ("alice", [61]), (None, [62])):
+        engine.add_request(PROMPT + tail, params, tenant=tenant)
+    engine.step()
+    snap = engine.pool_snapshot()
+    assert tenant_order(snap) == ["alice", "bob", "(unnamed)"]
+    fig = pool_figure(snap, columns=16, color_by="tenant")
+    check_figure(fig, expect_labels=("block id",))
+    ax = fig.axes[0]
+    squares = [p for p in ax.patches if isinstance(p, Rectangle)]
+    splits = [p for p in ax.patches if isinstance(p, Polygon) and p.get_gid() == "tenants-split"]
+    colours = dict(zip(["alice", "bob", "(unnamed)"], tenant_colours()))
+    for block_id, names in snap["tenants"].items():
+        assert to_rgb(squares[int(block_id)].get_facecolor()) == pytest.approx(colours[names[0]])
+    assert len(splits) == sum(1 for names in snap["tenants"].values() if len(names) > 1) == 6
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    held = {n: sum(n in v for v in snap["tenants"].values()) for n in colours}
+    assert labels[:3] == [f"{n} {held[n]}" for n in colours] and "several tenants 6" in labels
+    with pytest.raises(ValueError, match="color_by must be 'state' or 'tenant'"):
+        pool_figure(snap, color_by="owner")
+    for r in engine.live_requests():
+        engine.abort(r.request_id)
+    fig.clf()
