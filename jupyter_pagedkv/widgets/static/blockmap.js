@@ -234,8 +234,8 @@ export function cueOn(rgb) {
 
 /** How blocks are painted in `mode`: a class per block (`cls`) and per class a colour, stripes and a
  * stacking rank. "state": the classes are the legend's states. "tenant": a block one tenant's
- * requests hold is that tenant's class, one several tenants hold the class `cross` (drawn split
- * between two of them, or as a light and dark hatch in a stacked bar); unheld blocks (free, cached)
+ * requests hold is that tenant's class, one several tenants hold the class `cross` (drawn in bands
+ * of their colours, or as a light and dark hatch in a stacked bar); unheld blocks (free, cached)
  * keep their state. */
 export function paintPlan(store, theme = LIGHT, mode = "state") {
   const colors = store.legend.map((s) => (s === "free" ? theme.free : colorOf(s)));
@@ -306,18 +306,19 @@ export function drawBlocks(canvas, store, lay, highlight, theme = LIGHT, mode = 
     if (group === 1) {
       const code = cls[start];
       let color = colors[code] || bg;
-      let labelColor = cue(color);
       if (code === plan.cross) {
-        // Several tenants: split along the diagonal between the first two, the split itself a
-        // dashed light-and-dark line that shows on any pair of colours.
-        const [a, b] = store.tenants.get(start).map((t) => colors[plan.index.get(t)]);
+        // Several tenants: diagonal bands of their colours (two: the cell split in half; at most
+        // four), each border a dashed light-and-dark line that shows on any pair of colours.
+        const bands = store.tenants.get(start).slice(0, 4).map((t) => colors[plan.index.get(t)]);
+        const n = bands.length, total = 2 * inner - 1;
         for (let y = 0; y < inner; y++) {
           for (let x = 0; x < inner; x++) {
-            const d = x + y - (inner - 1);
-            set(x0 + x, y0 + y, d < 0 ? a : d > 0 ? b : x % 2 ? STRIPE : MARK);
+            const band = Math.floor(((x + y) * n) / total);
+            const border = band !== Math.floor(((x + y + 1) * n) / total) && x + y < total - 1;
+            set(x0 + x, y0 + y, border ? (x % 2 ? STRIPE : MARK) : bands[band]);
           }
         }
-        [color, labelColor] = [a, cue(b)];
+        color = bands[0];
       } else {
         fill(x0, y0, inner, inner, color, striped[code]);
       }
@@ -325,7 +326,8 @@ export function drawBlocks(canvas, store, lay, highlight, theme = LIGHT, mode = 
       if (ref > 1) {
         const mark = cue(color);
         for (let y = 0; y < corner; y++) for (let x = 0; x < corner - y; x++) set(x0 + x, y0 + y, mark);
-        if (inner >= 10) labels.push([x0, y0, ref, labelColor]);
+        // A block of several tenants already shows its bands: no count on top of them.
+        if (inner >= 10 && code !== plan.cross) labels.push([x0, y0, ref, cue(color)]);
       }
       continue;
     }
@@ -463,9 +465,12 @@ const STYLE = `
   border: 1px solid var(--jp-border-color1, currentColor); padding: 0 6px; margin: 0; }
 .pkv-mode button + button { border-left: none; }
 .pkv-mode button[aria-pressed="true"] { background: var(--jp-layout-color2, rgb(238,238,238)); font-weight: 600; }
-.pkv-tenants { display: grid; grid-template-columns: max-content 48px 1fr; gap: 1px 8px; align-items: center; margin-bottom: 6px; }
-.pkv-tenants .pkv-k { color: var(--jp-ui-font-color2, currentColor); white-space: nowrap; }
-.pkv-tbar { position: relative; display: block; height: 6px; background: var(--jp-layout-color2, rgb(238,238,238)); }
+.pkv-tenants { margin-bottom: 6px; }
+.pkv-trow { display: flex; flex-wrap: wrap; align-items: center; gap: 0 8px; }
+.pkv-trow .pkv-k { color: var(--jp-ui-font-color2, currentColor); white-space: nowrap; }
+.pkv-trow i { display: inline-block; width: 10px; height: 10px; margin-right: 3px; vertical-align: -1px; }
+.pkv-trow .pkv-tt { flex: 1 1 20em; }
+.pkv-tbar { position: relative; display: block; flex: 0 0 48px; height: 6px; background: var(--jp-layout-color2, rgb(238,238,238)); }
 .pkv-tbar b { position: absolute; left: 0; top: 0; bottom: 0; }
 .pkv-tbar em { position: absolute; top: -2px; bottom: -2px; width: 1px; background: var(--jp-ui-font-color1, currentColor); }
 `;
@@ -508,7 +513,7 @@ function ensureStyle(doc) {
 
 function describe(store, lay, cellIndex) {
   const start = cellIndex * lay.group;
-  if (start >= store.numBlocks) return { text: "", owner: null };
+  if (!(start >= 0 && start < store.numBlocks)) return { text: "", owner: null };
   if (lay.group === 1) {
     const state = store.legend[store.codes[start]];
     const ref = store.refs[start];
@@ -517,7 +522,7 @@ function describe(store, lay, cellIndex) {
     const who = owners.length ? ` — ${owners.join(", ")}` : "";
     const tenants = store.tenants.get(start) || [];
     const whose = tenants.length ? ` · tenant${tenants.length > 1 ? "s" : ""} ${tenants.join(", ")}` : "";
-    return { text: `block ${start}: ${state}${refText}${who}${whose}`, owner: owners[0] || null };
+    return { text: `block ${start}: ${state}${refText}${whose}${who}`, owner: owners[0] || null };
   }
   const end = Math.min(store.numBlocks, start + lay.group);
   const counts = new Map();
@@ -583,15 +588,16 @@ export function mount(el, opts = {}) {
     const names = tenantNames(store);
     tenantBox.style.display = tenants.length ? "" : "none";
     modeBox.style.display = tenants.length ? "" : "none";
+    // One scale for every tenant's bar, so they compare; the tick is the tenant's fair share.
+    const top = Math.max(1, ...tenants.map((t) => Math.max(t.used, t.share, t.cap || 0)));
+    const nameWidth = Math.max(...tenants.map((t) => t.name.length)) + 2;
     tenantBox.innerHTML = tenants.map((t) => {
       const i = names.indexOf(t.name);
       const color = css(shown === "tenant" ? tenantColor(i, t.name) : COLORS.used);
-      const key = shown === "tenant" ? `<i style="display:inline-block;width:10px;height:10px;margin-right:3px;` +
-        `vertical-align:-1px;background:${color}"></i>` : "";
-      const top = Math.max(1, t.used, t.share, t.cap || 0);
-      return `<span class="pkv-k">${key}${escapeHtml(t.name)}</span><span class="pkv-tbar" style="background:${css(theme.free)}">` +
-        `<b style="width:${(100 * t.used) / top}%;background:${color}"></b><em style="left:${(100 * t.share) / top}%"></em>` +
-        `</span><span>${t.text}</span>`;
+      const key = shown === "tenant" ? `<i style="background:${color}"></i>` : "";
+      return `<div class="pkv-trow"><span class="pkv-k" style="min-width:${nameWidth}ch">${key}${escapeHtml(t.name)}</span>` +
+        `<span class="pkv-tbar" style="background:${css(theme.free)}"><b style="width:${(100 * t.used) / top}%;` +
+        `background:${color}"></b><em style="left:${(100 * t.share) / top}%"></em></span><span class="pkv-tt">${t.text}</span></div>`;
     }).join("");
     for (const b of modeBox.querySelectorAll("button")) b.setAttribute("aria-pressed", String(b.dataset.mode === shown));
     root.dataset.mode = shown;
@@ -628,7 +634,7 @@ export function mount(el, opts = {}) {
     const r = blocks.getBoundingClientRect();
     const col = Math.floor((ev.clientX - r.left) / lay.cell);
     const row = Math.floor((ev.clientY - r.top) / lay.cell);
-    const d = describe(store, lay, row * lay.cols + col);
+    const d = describe(store, lay, col >= 0 && col < lay.cols ? row * lay.cols + col : -1);
     hover.textContent = d.text;
     const next = new Set();
     if (d.owner) for (const [b, owners] of store.owners) if (owners.includes(d.owner)) next.add(b);
