@@ -49,7 +49,9 @@ class PolicyRun:
     def figures(self) -> dict:
         q, n = tenant_figures(self.timings, QUIET), tenant_figures(self.timings, NOISY)
         return {"quiet": q.as_dict(), "noisy": n.as_dict(), "pool_utilisation": self.series.utilisation(self.num_blocks),
-                "noisy_block_share": self.series.share(NOISY), "preemptions": self.preemptions}
+                "noisy_block_share": self.series.share(NOISY), "preemptions": self.preemptions,
+                "steps": len(self.series.durations),
+                "mean_step_ms": 1e3 * sum(self.series.durations) / max(1, len(self.series.durations))}
 
 
 def compare(runs: dict[str, PolicyRun], weights: dict[str, float]) -> dict:
@@ -72,13 +74,14 @@ def table(label: str, cmp: dict) -> None:
     print(f"  {label}")
     print(f"    {'policy':<6} {'quiet TTFT p50':>15} {'quiet TTFT ' + tail:>16} {'quiet e2e ' + tail:>15} "
           f"{'noisy e2e ' + ntail:>15} {'quiet tok/s':>12} {'noisy tok/s':>12} {'pool held':>10} "
-          f"{'noisy part':>11} {'preempt':>8}")
+          f"{'noisy part':>11} {'preempt':>8} {'steps':>7} {'ms/step':>8}")
     for p in POLICIES:
         f = cmp[p]
         print(f"    {p:<6} {f['quiet']['ttft_p50_s']:14.2f}s {f['quiet']['ttft_tail_s']:15.2f}s "
               f"{f['quiet']['e2e_tail_s']:14.2f}s {f['noisy']['e2e_tail_s']:14.1f}s "
               f"{f['quiet']['tokens_per_s']:12.1f} {f['noisy']['tokens_per_s']:12.1f} "
-              f"{f['pool_utilisation']:10.1%} {f['noisy_block_share']:11.1%} {f['preemptions']:8d}")
+              f"{f['pool_utilisation']:10.1%} {f['noisy_block_share']:11.1%} {f['preemptions']:8d} {f['steps']:7d} "
+              f"{f['mean_step_ms']:8.1f}")
     nt = cmp["noisy_throughput"]
     print(f"    quiet TTFT {tail} fair / FCFS = {cmp['quiet_ttft_tail_ratio']:.3f}; noisy tok/s fair "
           f"{nt['fair_tokens_per_s']:.1f} vs FCFS {nt['fcfs_tokens_per_s']:.1f} ({nt['kept']:.0%} kept), floor "
@@ -191,6 +194,8 @@ def real_scale(args, weights: dict[str, float]) -> tuple[dict, dict[str, PolicyR
     def engine(policy: str) -> Engine:
         eng = Engine(loaded.model, loaded.tokenizer, name=loaded.name, num_blocks=args.real_num_blocks,
                      scheduling_policy=policy)
+        # Warm up (the process's first forwards are slow) before the clock starts, for each policy alike.
+        eng.generate(["Hello."], SamplingParams(max_tokens=4, temperature=0.0))
         for t, w in weights.items():
             eng.set_tenant(t, weight=w)
         return eng

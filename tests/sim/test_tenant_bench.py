@@ -61,7 +61,8 @@ def test_the_json_has_stable_keys(tmp_path):
     assert [s["seed"] for s in sim["seeds"]] == [0, 1]
     seed = sim["seeds"][0]
     assert {"fcfs", "fair", "quiet_ttft_tail_ratio", "noisy_throughput"} <= set(seed)
-    assert set(seed["fcfs"]) == {"quiet", "noisy", "pool_utilisation", "noisy_block_share", "preemptions"}
+    assert set(seed["fcfs"]) == {"quiet", "noisy", "pool_utilisation", "noisy_block_share", "preemptions", "steps",
+                                  "mean_step_ms"}
     assert set(seed["fcfs"]["quiet"]) == {"requests", "ttft_p50_s", "ttft_tail_s", "e2e_tail_s", "tokens_per_s",
                                           "tail"}
     assert set(seed["noisy_throughput"]) == {"fcfs_tokens_per_s", "fair_tokens_per_s", "share",
