@@ -195,7 +195,6 @@ def tail_figure(scale: dict):
     import matplotlib.pyplot as plt
 
     from ..widgets.comparison_figures import ALLOCATOR_COLOURS
-    from ..widgets.paging_figures import FONT
 
     runs, rates = scale["runs"], scale["rates"]
     tail = runs["paged"][0].tail_name
@@ -221,23 +220,31 @@ def tail_figure(scale: dict):
     axes[2].set(xlabel="request rate (requests/s)", ylabel="generated tokens/s", title="throughput")
     axes[3].set(xlabel="request rate (requests/s)", ylabel="tokens stored / slots reserved (%)", ylim=(0, 105),
                 title="KV utilisation")
+    style_panels(axes)
+    fig.suptitle(scale["label"] + ("" if tail == "P99" else f" (tail = max: fewer than 20 requests per run)"),
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def style_panels(axes) -> None:
+    """The benchmark plots' common look: a light grid, FONT-sized text, the legend below the axes
+    (never on the data), and log axes ticked at 1-2-5 in plain numbers (no colliding
+    "3x10^2 4x10^2" minor labels)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    from ..widgets.paging_figures import FONT
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=FONT)
         ax.xaxis.label.set_size(FONT + 1)
         ax.yaxis.label.set_size(FONT + 1)
         ax.title.set_size(FONT + 2)
-        # Below the axes, never on the data; vertical dotted lines mark where a tail crosses its bound.
         ax.legend(fontsize=FONT, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
-        if ax.get_yscale() == "log":      # plain numbers, no colliding "3x10^2 4x10^2" minor labels
+        if ax.get_yscale() == "log":
             ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))   # 1 2 5 10 20 50 ...
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.yaxis.set_minor_formatter(NullFormatter())
-    fig.suptitle(scale["label"] + ("" if tail == "P99" else f" (tail = max: fewer than 20 requests per run)"),
-                 fontsize=10)
-    fig.tight_layout()
-    return fig
 
 
 def plot(scale: dict, path: Path) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.tenancy import TenantSpec
+from .tail import style_panels
 from ..sim.summary import RequestTiming
 from ..sim.tenant_workload import NOISY, QUIET, BlockSeries, TenantMix, block_series, noisy_neighbour, tenant_figures
 
@@ -235,8 +236,6 @@ def tenants_figure(runs: dict[str, PolicyRun], label: str):
     tenant held over time (% of the pool) under FCFS and under fair share."""
     import matplotlib.pyplot as plt
 
-    from ..widgets.paging_figures import FONT
-
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     ax = axes[0]
     tail = tenant_figures(runs["fcfs"].timings, QUIET).tail_name
@@ -256,17 +255,7 @@ def tenants_figure(runs: dict[str, PolicyRun], label: str):
         ax.axvline(burst, color="grey", lw=0.8, ls=":")
         ax.set(xlabel="time (s)", ylabel="KV blocks held (% of pool)", ylim=(0, 105),
                title=f"{p}: the pool by tenant ({runs[p].preemptions} preemptions)")
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=FONT)
-        ax.xaxis.label.set_size(FONT + 1)
-        ax.yaxis.label.set_size(FONT + 1)
-        ax.title.set_size(FONT + 2)
-        ax.legend(fontsize=FONT, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
-    axes[0].yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axes[0].yaxis.set_minor_formatter(NullFormatter())
+    style_panels(axes)
     fig.suptitle(label + ("" if tail == "P99" else " (tail = max: fewer than 20 quiet requests)"), fontsize=10)
     fig.tight_layout()
     return fig
