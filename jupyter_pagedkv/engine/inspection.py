@@ -63,7 +63,7 @@ class EngineInspection:
             seq = req.seqs[0]
             return RequestRow(req.request_id, state, len(req.prompt_token_ids), seq.num_output_tokens,
                               0 if seq.is_finished else len(seq.block_table.blocks), seq.num_cached_tokens,
-                              req.metrics.ttft, seq.finish_reason, req.error)
+                              req.metrics.ttft, seq.finish_reason, req.error, req.tenant)
         with self._lock:
             return ([row(r, r.seqs[0].status.value) for r in self._requests.values()]
                     + [row(r, "failed" if r.error is not None else "done")

@@ -101,6 +101,7 @@ class RequestRow:
     ttft: float | None            # seconds
     finish_reason: str | None = None
     error: BaseException | None = None
+    tenant: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -12,10 +12,14 @@ if TYPE_CHECKING:
 
 def requests_table(session: KernelSession, engine: EngineClient) -> str:
     """Live requests, then the last finished ones; chat sessions and background jobs below."""
-    rows = [("id", "source", "state", "prompt", "output", "blocks", "cached", "TTFT")]
-    for r in engine.request_rows():
+    found = engine.request_rows()
+    tenants = any(r.tenant is not None for r in found)      # a column only once someone names one
+    rows = [("id", "source", *(("tenant",) if tenants else ()), "state", "prompt", "output", "blocks",
+             "cached", "TTFT")]
+    for r in found:
         state = f"done ({r.finish_reason})" if r.state == "done" else r.state
-        rows.append((r.request_id, session.origins.get(r.request_id, "python"), state,
+        rows.append((r.request_id, session.origins.get(r.request_id, "python"),
+                     *((r.tenant or "-",) if tenants else ()), state,
                      str(r.prompt_tokens), str(r.output_tokens), str(r.blocks),
                      "-" if r.cached_tokens is None else str(r.cached_tokens),
                      "-" if r.ttft is None else f"{r.ttft * 1e3:.0f} ms"))

@@ -149,7 +149,8 @@ class RemoteInspection:
     def request_rows(self, finished: int = 20) -> list[RequestRow]:
         def row(req: RemoteRequest, state: str) -> RequestRow:
             return RequestRow(req.request_id, state, len(req.prompt_token_ids), req.num_output_tokens, 0,
-                              req.num_cached_tokens, req.metrics.ttft, req.finish.get(0), req.error)
+                              req.num_cached_tokens, req.metrics.ttft, req.finish.get(0), req.error,
+                              req.tenant)
         with self._lock:
             return ([row(r, "running") for r in self._requests.values()]
                     + [row(r, "failed" if r.error is not None else "done")

@@ -464,6 +464,10 @@ def test_pagedkv_tenants_table_and_tenant_settings(ip, capsys):
     assert alice[1:3] == ["2", "64"]
     run(ip, "%pagedkv status")
     assert "  alice: 0 blocks (cap 64)" in capsys.readouterr().out
+    run(ip, "%pagedkv requests")
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:4] == ["id", "source", "tenant", "state"]
+    assert any(line.split()[2] == "alice" for line in table[1:] if line.strip())
     with pytest.raises(UsageError, match=r"^tenant 'alice': weight must be a positive number"):
         run(ip, "%pagedkv tenant alice --weight -1")
     with pytest.raises(UsageError, match=r"^usage: %pagedkv tenant NAME"):
