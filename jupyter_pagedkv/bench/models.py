@@ -44,6 +44,8 @@ def tiny_model(arch: str, vocab: int = 256, seed: int = 0):
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32)),
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),
         "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None)),
+        # a window long prompts cross many times (not in TINY_ARCHS: a variant, not a family)
+        "mistral-window48": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=48)),
         "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**{**common, "num_key_value_heads": 4})),
     }
     if arch not in builders:

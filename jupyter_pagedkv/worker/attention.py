@@ -22,13 +22,13 @@ ATTN_IMPLEMENTATION = "jupyter_pagedkv"
 
 @dataclass(slots=True)
 class PrefillChunk:
-    """Query rows [q_start, q_start + q_len) attend to context positions [0, ctx_len)."""
+    """Query rows [q_start, q_start + q_len) attend to context positions [0, ctx_len); they are
+    its last q_len positions, so query i sees keys 0 .. ctx_len - q_len + i (bottom-right causal)."""
 
     q_start: int
     q_len: int
     ctx_len: int
     block_ids: torch.Tensor          # physical blocks holding positions [0, ctx_len)
-    mask: torch.Tensor | None        # [q_len, ctx_len] bool, None when the chunk starts at 0
 
 
 @dataclass
@@ -99,7 +99,8 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Attention for `query [num_tokens, heads, head_dim]` over the paged cache of one layer.
 
     `new_k`/`new_v` (this step's keys and values, `[num_tokens, kv_heads, head_dim]`) let a
-    chunk that starts its sequence read its keys in place instead of gathering them back.
+    prefill chunk read its own keys in place instead of gathering them back; only the prefix
+    before a chunk is gathered from the blocks.
     """
     num_tokens, heads, d = query.shape
     if sliding_window is not None and meta.max_seq_len <= sliding_window:
@@ -126,28 +127,69 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         o = attend(q, k, v, scale, attn_mask=bias.to(query.dtype), softcap=softcap)
         out[:nd] = o.reshape(nd, heads, d)
     for chunk in meta.prefills:
-        s, n = chunk.q_start, chunk.q_len
+        s, n, ctx = chunk.q_start, chunk.q_len, chunk.ctx_len
         q = query[s:s + n].transpose(0, 1).unsqueeze(0)      # [1, heads, n, d]
-        if chunk.mask is None and sliding_window is None:
-            # The chunk starts the sequence: its own keys are the whole context, read in place.
-            if new_k is not None:
-                k, v = new_k[s:s + n], new_v[s:s + n]
-            else:
-                k = k_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
-                v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
-            o = attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
-                       is_causal=True, enable_gqa=gqa, softcap=softcap)
+        window = sliding_window if sliding_window is not None and ctx > sliding_window else None
+        if new_k is not None:      # the chunk's own keys and values, read in place
+            own_k, own_v = new_k[s:s + n], new_v[s:s + n]
         else:
-            ctx = chunk.ctx_len
-            k = k_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
-            v = v_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
-            mask = chunk.mask if chunk.mask is not None else _causal_mask(ctx - n, n, ctx).to(query.device)
-            if sliding_window is not None:
-                qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
-                mask = mask & (torch.arange(ctx, device=query.device).view(1, -1) > qpos - sliding_window)
+            own_k = k_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+            own_v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+        if window is None and ctx == n:
+            # The chunk starts the sequence: its own keys are the whole context.
+            o = attend(q, own_k.transpose(0, 1).unsqueeze(0), own_v.transpose(0, 1).unsqueeze(0), scale,
+                       is_causal=True, enable_gqa=gqa, softcap=softcap)
+        elif window is None and softcap is None and _split_prefix_supported(query, own_v):
+            # After a prefix: every query sees every prefix key, and its own chunk causally.
+            start = ctx - n
+            blocks = chunk.block_ids[: -(-start // bs)]
+            pk = k_cache.index_select(0, blocks).view(-1, kvh, d)[:start].transpose(0, 1).unsqueeze(0)
+            pv = v_cache.index_select(0, blocks).view(-1, kvh, d)[:start].transpose(0, 1).unsqueeze(0)
+            o = attend_after_prefix(q, pk, pv, own_k.transpose(0, 1).unsqueeze(0),
+                                    own_v.transpose(0, 1).unsqueeze(0), scale)
+        else:
+            # A window that cuts, logit soft-capping, or no flash kernel with its log-sum-exp:
+            # a dense [n, keys] mask over the keys some query of the chunk can see.
+            lo = 0 if window is None else max(0, ctx - n - window + 1) // bs * bs
+            blocks = chunk.block_ids[lo // bs:]
+            k = k_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+            v = v_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+            qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
+            kpos = torch.arange(lo, ctx, device=query.device).view(1, -1)
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
             o = attend(q, k, v, scale, attn_mask=mask, enable_gqa=gqa, softcap=softcap)
         out[s:s + n] = o[0].transpose(0, 1)
     return out
+
+
+# The kernel F.scaled_dot_product_attention runs on a CPU, called directly because it also returns
+# each row's log-sum-exp (public SDPA does not). A torch without it takes the masked path.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_prefix_supported(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """The split path needs that CPU kernel (never called with an empty prefix: it crashes)."""
+    return _FLASH_WITH_LSE is not None and query.device.type == "cpu" and value.shape[-1] == query.shape[-1]
+
+
+def attend_after_prefix(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                        own_k: torch.Tensor, own_v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk of `n` queries that follows a non-empty prefix: `q [1, heads, n, d]` sees all of
+    `prefix_k/v [1, kv_heads, P, d]` and, causally, the chunk's own `own_k/v [1, kv_heads, n, d]`.
+
+    Two flash calls, no mask: the prefix unmasked, the chunk with top-left causal alignment (square,
+    so exact). Each returns its rows' softmax normalisers as log-sum-exps l1, l2; the full softmax
+    weighs the two partial outputs by e^l1 and e^l2, i.e. o = o2 + sigmoid(l1 - l2) * (o1 - o2),
+    merged in fp32. Same sums as one masked softmax; no [n, P + n] score or mask tensor exists.
+    """
+    o1, l1 = _FLASH_WITH_LSE(q, prefix_k, prefix_v, scale=scale)
+    o2, l2 = _FLASH_WITH_LSE(q, own_k, own_v, is_causal=True, scale=scale)
+    share = torch.sigmoid(l1 - l2).unsqueeze(-1)          # [1, heads, n, 1]: the prefix's share
+    if q.dtype.itemsize >= 4:
+        return torch.lerp(o2, o1, share.to(q.dtype))
+    return torch.lerp(o2.float(), o1.float(), share).to(q.dtype)      # 16-bit: merged in fp32
 
 
 def _causal_mask(ctx_start: int, q_len: int, ctx_len: int) -> torch.Tensor:

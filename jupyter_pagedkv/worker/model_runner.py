@@ -78,11 +78,7 @@ class ModelRunner:
             positions.extend(range(c.start, end))
             block_ids = torch.tensor(table.block_ids[: -(-end // bs)], dtype=torch.long)
             prefill_slots.append(block_ids[pos // bs] * bs + pos % bs)
-            mask = None
-            if c.start > 0:
-                mask = torch.arange(end).view(1, -1) <= pos.view(-1, 1)
-            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device),
-                                             None if mask is None else mask.to(self.device)))
+            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device)))
             q_loc.append(q_loc[-1] + c.num_tokens)
             seq_lens.append(end)
             tables.append(table.block_ids)

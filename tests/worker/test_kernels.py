@@ -158,6 +158,15 @@ def test_sliding_window_hides_keys_older_than_the_window(kernels):
     assert max_error(out, reference(kernels, b)) > 1e-2          # the window really cut something
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_chunks_after_long_prefixes_match_reference(kernels, window):
+    # Chunks after unaligned (138, 97) and block-aligned (112) prefixes, beside a first chunk and a
+    # decode: bottom-right causal, each query seeing the whole prefix (or the window's part of it).
+    b = make_batch([1, 20, 13, 2, 16], [130, 20, 151, 99, 128], heads=6, kv_heads=2, seed=11)
+    out = run_kernel(kernels, b, sliding_window=window)
+    assert max_error(out, reference(kernels, b, sliding_window=window)) <= TOLERANCE[torch.float32]
+
+
 def test_a_batch_without_tokens_returns_an_empty_output(kernels):
     b = make_batch([0, 0], [5, 9])
     assert run_kernel(kernels, b).shape == (0, 4, 64)
@@ -300,3 +309,23 @@ def test_engine_on_the_triton_backend_generates_what_the_torch_backend_does(kern
         engine.check_invariants()
         assert engine.runner.backend == backend
     assert outs["triton"] == outs["torch"]
+
+
+def test_triton_backend_is_exact_for_a_chunked_prompt_and_over_a_cached_prefix_with_a_window():
+    """A 56-token prompt in chunks of 37 and 19 (the second starts after an unaligned prefix),
+    then the prompt plus five tokens over its 56 cached positions, through the kernels (interpreted
+    on the CPU) with a sliding window of 48 that cuts, against
+    transformers' generate (the torch path's version: tests/engine/test_exactness_prefill.py)."""
+    from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
+    from jupyter_pagedkv import Engine, SamplingParams
+    from jupyter_pagedkv.bench.models import random_prompts
+
+    model = tiny_model("mistral-window48", seed=23).to(DEVICE)
+    prompt = random_prompts(1, 256, seed=5, lo=56, hi=57)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine = Engine(model, None, block_size=4, num_blocks=40, max_num_batched_tokens=37, attention_backend="triton")
+    for p in (prompt, prompt + [7, 8, 9, 10, 11]):
+        out = engine.generate([p], params)[0]
+        assert assert_same_or_near_tie(model, p, out.outputs[0].token_ids, hf_greedy(model, p, 1, stop_at_eos=False))
+    assert out.num_cached_tokens == 56
+    engine.check_invariants()
