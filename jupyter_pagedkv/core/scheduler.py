@@ -21,7 +21,7 @@ from .block_pool import Block, BlockPool, NoFreeBlocksError
 from .contiguous import ContiguousArena
 from .sequence import Sequence, SequenceStatus
 from .swap_space import SwapSpace
-from .tenancy import Tenancy
+from .tenancy import Tenancy, queue_order
 
 
 class AtTenantCap(Exception):
@@ -115,9 +115,9 @@ class Scheduler:
     @staticmethod
     def _enqueue(queue: deque[Sequence], seq: Sequence) -> None:
         """Keep `queue` ordered by (priority, arrival): lower priority numbers go first, then FCFS."""
-        key = (seq.priority, seq.arrival_time, seq.seq_id)
+        key = queue_order(seq)
         i = len(queue)
-        while i and (queue[i - 1].priority, queue[i - 1].arrival_time, queue[i - 1].seq_id) > key:
+        while i and queue_order(queue[i - 1]) > key:
             i -= 1
         queue.insert(i, seq)
 
@@ -211,7 +211,7 @@ class Scheduler:
         """Under "fair": when the next tenant in line is under its share and its next request does
         not fit (blocks or sequence slots), preempt work of tenants over their share until it does.
         Returns the tenants whose work must not come back this step (they were just preempted)."""
-        tenancy, pool, bs = self.tenancy, self.pool, self.pool.block_size
+        tenancy, pool = self.tenancy, self.pool
         active = {s.tenant for s in self.live}
         seq = tenancy.next_candidate(self.swapped, self.waiting, set())
         if seq is None or len(active) < 2 or self.arena is not None:   # the baseline never preempts
@@ -219,10 +219,8 @@ class Scheduler:
         if seq.status is SequenceStatus.SWAPPED:
             need = len(seq.swap_slots) + 1
         else:
-            hits = self._cached_prefix(seq) if seq.num_computed_tokens == 0 else []
-            start = len(hits) * bs
-            end = min(seq.num_tokens, start + self.max_num_batched_tokens)
-            need = -(-end // bs) - len(hits) + sum(1 for b in hits if b.ref_count == 0)
+            hits, _, _, need = self._admission(seq, self.max_num_batched_tokens)
+            need += sum(1 for b in hits if b.ref_count == 0)
         if tenancy.held(seq.tenant) + need > tenancy.share(seq.tenant, active) or tenancy.over_cap(seq.tenant, need):
             return set()   # it would be over its share (or cap): it waits its turn
         victims = set()
@@ -352,17 +350,13 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = 0
             return ScheduledChunk(seq, start, n)
-        hits = self._cached_prefix(seq) if seq.num_computed_tokens == 0 else []
-        start = len(hits) * bs if hits else seq.num_computed_tokens
-        n = min(seq.num_tokens - start, budget)
-        # Hit blocks that sit in the free queue stop being free once we take them.
-        reclaimed = sum(1 for b in hits if b.ref_count == 0)
-        needed = -(-(start + n) // bs) - len(hits)
+        hits, start, n, needed = self._admission(seq, budget)
         # The watermark keeps headroom for running sequences; with none running it protects nothing.
         watermark = self.watermark_blocks if self.running else 0
         if self.tenancy.over_cap(seq.tenant, needed + sum(1 for b in hits if seq.tenant not in b.owners)):
             raise AtTenantCap
-        if needed + reclaimed > pool.num_free - watermark:
+        # Hit blocks that sit in the free queue stop being free once we take them.
+        if needed + sum(1 for b in hits if b.ref_count == 0) > pool.num_free - watermark:
             return None
         if pool.enable_prefix_caching and seq.num_computed_tokens == 0:
             pool.prefix_cache_queries += (seq.num_tokens - 1) // bs * bs
@@ -376,6 +370,15 @@ class Scheduler:
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = start
         return ScheduledChunk(seq, start, n)
+
+    def _admission(self, seq: Sequence, budget: int) -> tuple[list, int, int, int]:
+        """What admitting `seq` with `budget` tokens takes: (prefix-cache hits, first position to
+        compute, tokens to compute, new blocks to allocate)."""
+        bs = self.pool.block_size
+        hits = self._cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+        start = len(hits) * bs if hits else seq.num_computed_tokens
+        n = min(seq.num_tokens - start, budget)
+        return hits, start, n, -(-(start + n) // bs) - len(hits)
 
     def _cached_prefix(self, seq: Sequence) -> list:
         """Cached blocks matching the sequence's leading full blocks, or blocks that this step

@@ -38,8 +38,9 @@ class TenantSpec:
     max_blocks: int | None = None
 
 
-def victim_key(seq: Sequence) -> tuple:
-    """Preemption order inside a set of sequences: lowest priority (highest number), then newest."""
+def queue_order(seq: Sequence) -> tuple:
+    """Queue order: lower priority numbers first, then arrival; the last in this order (lowest
+    priority, newest) is the one preempted first."""
     return (seq.priority, seq.arrival_time, seq.seq_id)
 
 
@@ -83,10 +84,6 @@ class Tenancy:
         cap = self.spec(name).max_blocks
         return cap is not None and extra > 0 and self.held(name) + extra > cap
 
-    def room(self, name: str | None) -> float:
-        cap = self.spec(name).max_blocks
-        return math.inf if cap is None else cap - self.held(name)
-
     # -- decisions ------------------------------------------------------------------------------
     def next_candidate(self, swapped: Iterable[Sequence], waiting: Iterable[Sequence],
                        blocked: set) -> Sequence | None:
@@ -107,33 +104,23 @@ class Tenancy:
             return None
         return min(heads.values(), key=lambda s: (self.usage(s.tenant), s.priority, s.arrival_time, s.seq_id))
 
-    def victim(self, running: list[Sequence], tenant: object = ..., exclude: object = ...) -> Sequence | None:
+    def victim(self, running: list[Sequence], tenant: object = ...) -> Sequence | None:
         """Whom to preempt: inside `tenant` when given (its cap), else under "fair" inside the
-        tenant furthest over its share (never `exclude`), else the newest of all."""
-        if tenant is not ...:
-            candidates = [s for s in running if s.tenant == tenant]
-        elif self.fair:
-            tenants = {s.tenant for s in running} - ({exclude} if exclude is not ... else set())
-            if not tenants:
-                return None
-            worst = max(tenants, key=self.usage)
-            candidates = [s for s in running if s.tenant == worst]
-        else:
-            candidates = running
-        return max(candidates, key=victim_key) if candidates else None
+        tenant furthest over its share, else the last in queue order of all."""
+        if tenant is ...:
+            if not self.fair:
+                return max(running, key=queue_order, default=None)
+            tenant = max({s.tenant for s in running}, key=self.usage, default=None)
+        return max((s for s in running if s.tenant == tenant), key=queue_order, default=None)
 
     def over_share(self, running: list[Sequence], active: set, beside: str | None) -> Sequence | None:
         """Under "fair": a victim from the tenant furthest over its share other than `beside`,
         or None when no such tenant holds more than its share."""
         over = {s.tenant for s in running if s.tenant != beside
                 and self.held(s.tenant) > self.share(s.tenant, active)}
-        if not over:
-            return None
-        worst = max(over, key=self.usage)
-        return max((s for s in running if s.tenant == worst), key=victim_key)
+        return self.victim(running, max(over, key=self.usage)) if over else None
 
-
-def check_spec(name: object, weight: object, max_blocks: object, num_blocks: int) -> None:
+def check_spec(name: object, weight: object, max_blocks: object) -> None:
     """One clear line for each way a tenant's spec can be wrong."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"tenant must be a non-empty string such as 'alice', got {name!r}")

@@ -207,7 +207,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         """Give tenant `name` a weight in the fair share of the pool (scheduling_policy="fair") and
         an optional hard cap on the blocks it holds (either policy). A cap lower than what one of
         its live requests needs is refused, since that request could never finish."""
-        check_spec(name, weight, max_blocks, self.pool.num_blocks)
+        check_spec(name, weight, max_blocks)
         with self._lock:
             if max_blocks is not None:
                 for req in self._requests.values():

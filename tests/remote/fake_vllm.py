@@ -134,3 +134,21 @@ def fake():
     yield handler, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def magic_shell():
+    """An IPython shell with the magics loaded and a fresh kernel session (restored afterwards),
+    for tests that drive a server through %pagedkv connect and %%generate."""
+    from IPython.testing.globalipapp import get_ipython, start_ipython
+
+    from jupyter_pagedkv.notebook import session
+    from jupyter_pagedkv.notebook.session import KernelSession
+
+    ip = start_ipython() or get_ipython()   # None once another module started it
+    ip.run_line_magic("load_ext", "jupyter_pagedkv")
+    saved, session._current = session._current, KernelSession()
+    try:
+        yield ip
+    finally:
+        session._current = saved

@@ -13,7 +13,7 @@ from jupyter_pagedkv.engine.intake import check_tenant
 from jupyter_pagedkv.remote.cache_salt import release
 from jupyter_pagedkv.remote.errors import RemoteError, UnsupportedByServer
 
-from fake_vllm import fake  # noqa: F401  (the fixture)
+from fake_vllm import fake, magic_shell  # noqa: F401  (the fixtures)
 
 TWO = SamplingParams(max_tokens=2)
 
@@ -118,26 +118,17 @@ def test_later_releases_take_the_salt(fake):
     assert handler.bodies[-1]["cache_salt"] == "alice"
 
 
-def test_generate_magic_sends_the_tenant_or_says_in_one_line_why_it_cannot(fake, capsys):
+def test_generate_magic_sends_the_tenant_or_says_in_one_line_why_it_cannot(fake, magic_shell, capsys):
     from IPython.core.error import UsageError
-    from IPython.testing.globalipapp import get_ipython, start_ipython
-
-    from jupyter_pagedkv.notebook import session
-    from jupyter_pagedkv.notebook.session import KernelSession
 
     handler, url = fake
-    ip = start_ipython() or get_ipython()   # None once another module started it
-    ip.run_line_magic("load_ext", "jupyter_pagedkv")
-    saved, session._current = session._current, KernelSession()
-    try:
-        ip.run_line_magic("pagedkv", f"connect {url}")      # reports version 'fake'
-        with pytest.raises(UsageError, match="not a vLLM release: cannot tell whether it honours"):
-            ip.run_cell_magic("generate", "--max-tokens 2 --raw --tenant alice", "ok")
-        assert handler.bodies == []
-        handler.version = "0.9.2"
-        ip.run_line_magic("pagedkv", f"connect {url}")
+    ip = magic_shell
+    ip.run_line_magic("pagedkv", f"connect {url}")      # reports version 'fake'
+    with pytest.raises(UsageError, match="not a vLLM release: cannot tell whether it honours"):
         ip.run_cell_magic("generate", "--max-tokens 2 --raw --tenant alice", "ok")
-        assert "Hello world" in capsys.readouterr().out and handler.bodies[-1]["cache_salt"] == "alice"
-        ip.run_line_magic("pagedkv", "disconnect")
-    finally:
-        session._current = saved
+    assert handler.bodies == []
+    handler.version = "0.9.2"
+    ip.run_line_magic("pagedkv", f"connect {url}")
+    ip.run_cell_magic("generate", "--max-tokens 2 --raw --tenant alice", "ok")
+    assert "Hello world" in capsys.readouterr().out and handler.bodies[-1]["cache_salt"] == "alice"
+    ip.run_line_magic("pagedkv", "disconnect")

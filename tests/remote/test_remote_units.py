@@ -15,9 +15,8 @@ from jupyter_pagedkv.remote.client import RemoteError
 from jupyter_pagedkv.monitor.feed import MonitorFeed
 from jupyter_pagedkv.core.sampling_params import SamplingParams
 from jupyter_pagedkv.remote.server_metrics import KV_USAGE, PREFIX_HITS, ServerMetrics, parse_prometheus
-from jupyter_pagedkv.notebook.session import KernelSession
 
-from fake_vllm import METRICS, fake  # noqa: F401  (fake: the fixture)
+from fake_vllm import METRICS, fake, magic_shell  # noqa: F401  (fake, magic_shell: fixtures)
 
 def test_generate_stream_and_usage(fake):
     _, url = fake
@@ -107,42 +106,36 @@ def test_abort_closes_the_stream(fake):
     assert not client.abort(rid)
 
 
-def test_magics_connect_generate_disconnect(fake, capsys):
-    from IPython.testing.globalipapp import get_ipython, start_ipython
+def test_magics_connect_generate_disconnect(fake, magic_shell, capsys):
+    from jupyter_pagedkv.notebook import session
 
     _, url = fake
-    ip = start_ipython() or get_ipython()   # None once another module started it
-    ip.run_line_magic("load_ext", "jupyter_pagedkv")
-    from jupyter_pagedkv.notebook import session
-    saved, session._current = session._current, KernelSession()
-    try:
-        with pytest.raises(UsageError, match="cannot connect: model 'x' is not served"):
-            ip.run_line_magic("pagedkv", f"connect {url} --model x")
-        with pytest.raises(UsageError, match="e.g. %pagedkv connect"):
-            ip.run_line_magic("pagedkv", "connect")
-        ip.run_line_magic("pagedkv", f"connect {url} --timeout 1")
-        assert "connected to m @" in capsys.readouterr().out
-        ip.run_cell_magic("generate", "--max-tokens 2 --raw", "ok")
-        out = capsys.readouterr().out
-        assert "Hello world" in out and "2/3 prompt tokens cached" in out
-        with pytest.raises(UsageError, match="dropped before the end"):
-            ip.run_cell_magic("generate", "--max-tokens 2 --raw", "drop")
-        ip.run_line_magic("pagedkv", "status")
-        assert "KV usage 25.0%" in capsys.readouterr().out
-        from jupyter_pagedkv.monitor.channel import snapshot
-        snap = snapshot(session.current().engine)   # the monitor comm's payload, unchanged shape
-        assert snap["device"] == "remote" and snap["stats"]["num_used"] == 25
-        assert snap["pool"]["states"].count("used") == 25 and len(snap["pool"]["states"]) == 100
-        ip.run_line_magic("pagedkv", "monitor")
-        assert "legend" in capsys.readouterr().out
-        ip.run_line_magic("pagedkv", "requests")
-        table = capsys.readouterr().out
-        assert "remote-0  generate  done (length)  3" in table and "remote-1  generate  failed" in table
-        ip.run_line_magic("pagedkv", "disconnect")
-        assert "no local model loaded" in capsys.readouterr().out
-        assert session.current().engine is None
-    finally:
-        session._current = saved
+    ip = magic_shell
+    with pytest.raises(UsageError, match="cannot connect: model 'x' is not served"):
+        ip.run_line_magic("pagedkv", f"connect {url} --model x")
+    with pytest.raises(UsageError, match="e.g. %pagedkv connect"):
+        ip.run_line_magic("pagedkv", "connect")
+    ip.run_line_magic("pagedkv", f"connect {url} --timeout 1")
+    assert "connected to m @" in capsys.readouterr().out
+    ip.run_cell_magic("generate", "--max-tokens 2 --raw", "ok")
+    out = capsys.readouterr().out
+    assert "Hello world" in out and "2/3 prompt tokens cached" in out
+    with pytest.raises(UsageError, match="dropped before the end"):
+        ip.run_cell_magic("generate", "--max-tokens 2 --raw", "drop")
+    ip.run_line_magic("pagedkv", "status")
+    assert "KV usage 25.0%" in capsys.readouterr().out
+    from jupyter_pagedkv.monitor.channel import snapshot
+    snap = snapshot(session.current().engine)   # the monitor comm's payload, unchanged shape
+    assert snap["device"] == "remote" and snap["stats"]["num_used"] == 25
+    assert snap["pool"]["states"].count("used") == 25 and len(snap["pool"]["states"]) == 100
+    ip.run_line_magic("pagedkv", "monitor")
+    assert "legend" in capsys.readouterr().out
+    ip.run_line_magic("pagedkv", "requests")
+    table = capsys.readouterr().out
+    assert "remote-0  generate  done (length)  3" in table and "remote-1  generate  failed" in table
+    ip.run_line_magic("pagedkv", "disconnect")
+    assert "no local model loaded" in capsys.readouterr().out
+    assert session.current().engine is None
 
 
 def test_prometheus_stats(fake):
