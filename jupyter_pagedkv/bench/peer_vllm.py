@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "all_seconds": runs,
+        # Every repeat in order, so a caller can pair them with its own rounds (same as all_seconds,
+        # under the name `bench throughput` reads).
+        "round_seconds": runs,
         "dtype": args.dtype,
         "block_size": args.block_size,
         "requests": len(reqs),
