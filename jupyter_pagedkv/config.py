@@ -89,6 +89,10 @@ class EngineConfig:
     pack_weights: bool | None = option(
         None, "plain torch GEMMs on the CPU (saves a packed copy of the weights; slower)",
         flag="--no-pack-weights")
+    keep_plain_weights: bool | None = option(
+        None, "keep each layer's plain weight beside its packed copy (twice the weight memory; the "
+              "default only for a model passed to Engine(), whose owner may still run it)",
+        flag="--keep-plain-weights")
     pad_decode: bool = option(False, "pad decode-only steps to bucket sizes in static buffers (what "
                                      "CUDA graphs replay; implied by --cuda-graphs)", flag="--pad-decode")
     cuda_graphs: bool = option(False, "capture decode steps as CUDA graphs (CUDA only; off until a GPU "
@@ -135,7 +139,7 @@ def load_arguments() -> list[tuple[tuple, dict]]:
     out = []
     for f in fields(EngineConfig):
         flag, meta = _flag(f), f.metadata
-        if flag.startswith("--no-") or f.default is False:
+        if flag.startswith("--no-") or f.default is False or f.type == "bool | None":
             out.append(((flag,), {"action": "store_true", "help": f"load: {meta['help']}"}))
             continue
         kind = int if f.type in ("int", "int | None") else None
@@ -163,7 +167,7 @@ def from_arguments(args: Any) -> dict[str, Any]:
         if _flag(f).startswith("--no-"):
             if value:
                 options[f.name] = False
-        elif f.default is False:
+        elif f.default is False or f.type == "bool | None":
             if value:
                 options[f.name] = True
         elif value != f.default:

@@ -101,7 +101,7 @@ class DraftModelDrafter:
 
     def __init__(self, model, name: str, num_blocks: int, block_size: int, device: torch.device,
                  backend: str, target_vocab_size: int, seed: int | None = None,
-                 pack_weights: bool = False) -> None:
+                 pack_weights: bool = False, owns_model: bool = False, hold_weights: bool = False) -> None:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if config.vocab_size != target_vocab_size:
             raise ValueError(f"draft model {name!r} has a vocabulary of {config.vocab_size} but the "
@@ -110,7 +110,9 @@ class DraftModelDrafter:
         self.model = model
         dtype = next(model.parameters()).dtype
         self.kv_cache = KVCache(KVSpec.from_config(model.config, dtype), num_blocks, block_size, device)
-        self.runner = ModelRunner(model, self.kv_cache, device, backend, pack_weights)
+        self.owns_model = owns_model
+        self.runner = ModelRunner(model, self.kv_cache, device, backend, pack_weights,
+                                  hold_weights=pack_weights and hold_weights)
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -165,6 +167,6 @@ class DraftModelDrafter:
 
     def release(self) -> None:
         self.kv_cache.release()
-        self.runner.packed.release()
+        self.runner.packed.release(restore=not self.owns_model)
         self.runner.model = None
         self.model = None

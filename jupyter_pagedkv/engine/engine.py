@@ -54,7 +54,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
     override `config`'s (an unknown one is a TypeError)."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
-                 name: str | None = None, **options) -> None:
+                 name: str | None = None, owns_model: bool = False, **options) -> None:
         config = (config or EngineConfig()).replace(**options)
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
@@ -89,9 +89,15 @@ class Engine(Stepping, EngineInspection, GenerationFront):
             raise UnsupportedModelError(f"{self.name} soft-caps its attention logits, which the Triton kernels "
                                         f"do not: load it with attention_backend='torch' (--attention-backend torch)")
         self.pack_weights = should_pack(self.device, self.dtype, config.pack_weights)
+        # A model the engine loaded itself is held once, packed; one passed in keeps its plain
+        # weights unless asked (its owner may still run it), and gets them back at shutdown.
+        self.owns_model = owns_model
+        keep = config.keep_plain_weights if config.keep_plain_weights is not None else not owns_model
+        self.hold_weights = self.pack_weights and not keep
         padded = PaddedDecode(model, self.kv_cache, backend, config.max_num_seqs, self.max_model_len,
                               capture=config.cuda_graphs) if pad else None
-        self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights, padded)
+        self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights, padded,
+                                  self.hold_weights)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = setup.eos_token_ids(model, tokenizer)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler)
@@ -121,7 +127,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         dev, choice = resolve_device_dtype(config.device, config.dtype)
         loaded = load_model(model, choice.dtype, dev, revision=config.revision,
                             trust_remote_code=config.trust_remote_code)
-        engine = cls(loaded.model, loaded.tokenizer, config, name=loaded.name)
+        engine = cls(loaded.model, loaded.tokenizer, config, name=loaded.name, owns_model=True)
         engine.dtype_reason = choice.reason
         return engine
 
@@ -143,13 +149,15 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         if isinstance(speculative, str):
             from ..worker.loader import load_model
             draft, name = load_model(speculative, self.dtype, self.device).model, speculative   # not under the lock
+            owned = True
         elif isinstance(speculative, torch.nn.Module):
-            draft = speculative
+            draft, owned = speculative, False
             name = getattr(draft.config, "_name_or_path", None) or f"draft-{id(draft):x}"
         else:
             raise ValueError(f"speculative must be 'ngram', a draft model id/path or a model, got {speculative!r}")
         drafter = DraftModelDrafter(draft, name, self.pool.num_blocks, self.block_size, self.device,
-                                    self.runner.backend, self.vocab_size, self.seed, self.pack_weights)
+                                    self.runner.backend, self.vocab_size, self.seed, self.pack_weights,
+                                    owns_model=owned, hold_weights=self.hold_weights or owned)
         with self._lock:
             self.speculator.drafters.setdefault(name, drafter)
         return name
@@ -320,7 +328,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
             for rid in list(self._requests):
                 self.abort(rid)
             self.kv_cache.release()
-            self.runner.packed.release()
+            self.runner.packed.release(restore=not self.owns_model)
             if self.runner.padded is not None:
                 self.runner.padded.release()
             for drafter in self.speculator.drafters.values():
@@ -329,6 +337,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
             self.runner.model = None
             self.model = None
         gc.collect()
+        from ..worker.host_memory import return_freed_memory
+        return_freed_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

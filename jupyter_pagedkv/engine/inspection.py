@@ -89,7 +89,7 @@ class EngineInspection:
         summary = (f"{self.name} on {self.device.type} ({dtype}): {n:,} blocks × {bs} = {n * bs:,} tokens "
                    f"of KV, {kv.bytes_per_block:,} bytes per block, {format_bytes(kv.nbytes)} KV memory, "
                    f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
-                   + (f", GEMMs on packed weights (+{format_bytes(packed.nbytes)})" if packed.layers else "")
+                   + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
                    + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
                       if self.dtype_reason.startswith("auto: ") else ""))
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,
@@ -130,3 +130,9 @@ class EngineInspection:
         with self._lock:
             return self.pool.reset_cache()
 
+
+
+def _packing_cost(packed) -> str:
+    """'held once' or what the packed copies cost beside the plain weights."""
+    extra = packed.extra_bytes
+    return f"+{format_bytes(extra)} beside the plain weights" if extra else "each weight held once"

@@ -21,7 +21,8 @@ class ModelRunner:
     with our attention, and returns logits only for chunks that end at their sequence's last token."""
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch",
-                 pack_weights: bool = False, padded: PaddedDecode | None = None) -> None:
+                 pack_weights: bool = False, padded: PaddedDecode | None = None,
+                 hold_weights: bool = False) -> None:
         self.model = model
         self.padded = padded          # decode-only steps in bucket shapes (CUDA graphs on a GPU)
         self.kv_cache = kv_cache
@@ -31,8 +32,9 @@ class ModelRunner:
         self.last_prepare_s = 0.0      # block copies, swaps and input building before it
         self.clock = ForwardClock(device)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        # CPU GEMMs on weights packed once (see packed_linear.py); only inside our forward.
-        self.packed: PackedLinears = pack_linears(model) if pack_weights else PackedLinears()
+        # CPU GEMMs on weights packed once (see packed_linear.py); with `hold_weights` the packed
+        # copies replace the plain weights (held_weights.py).
+        self.packed: PackedLinears = pack_linears(model, hold_weights) if pack_weights else PackedLinears()
         if self.packed.layers:
             self._learn_packing()
 

@@ -77,7 +77,11 @@ def test_bf16_tiny_models_match_transformers_bf16(make_engine):
 
 
 @pytest.mark.slow
-def test_bf16_embedded_model_matches_transformers_bf16(make_engine):
+def test_bf16_embedded_model_matches_transformers_bf16():
+    """As users load it: `from_pretrained` in bf16, the engine's own copy held once, packed (bf16
+    GEMMs through oneDNN where it has them); the oracle is a second, stock copy of the model."""
+    from jupyter_pagedkv import Engine
+
     loaded = loader.load_model(None, torch.bfloat16, torch.device("cpu"))
     model, tok = loaded.model, loaded.tokenizer
     texts = ["Name three rivers in Europe.", "Write a short poem about the sea.", "What is a prime number?",
@@ -85,6 +89,11 @@ def test_bf16_embedded_model_matches_transformers_bf16(make_engine):
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for t in texts]
     prompts += random_prompts(3, model.config.vocab_size, seed=3, lo=100, hi=300)
-    engine = make_engine(model, tok, kv_cache_memory="256MiB")
-    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    engine = Engine.from_pretrained(None, dtype="bfloat16", kv_cache_memory="256MiB")
+    assert engine.dtype == torch.bfloat16 and engine.hold_weights == engine.pack_weights
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        engine.check_invariants()
+    finally:
+        engine.shutdown()
     assert check_bf16(model, prompts, outs, 24) >= 3

@@ -17,7 +17,6 @@ from IPython.core.error import UsageError
 
 from jupyter_pagedkv import BeamSearchParams
 from jupyter_pagedkv.notebook import session as session_mod
-from jupyter_pagedkv.config import format_bytes
 from jupyter_pagedkv.notebook.session import current
 from jupyter_pagedkv.notebook.streaming import footer
 
@@ -107,7 +106,9 @@ def test_load_summary_line_states_the_kv_geometry(ip):
     assert f"{engine.pool.num_blocks:,} blocks × 16 = {engine.pool.num_blocks * 16:,} tokens" in line
     assert f"{46080 * 16:,} bytes per block" in line
     assert "SmolLM2-135M-Instruct on cpu (float32)" in line
-    assert line.endswith(f"GEMMs on packed weights (+{format_bytes(engine.runner.packed.nbytes)})")
+    # %pagedkv load owns its model: each weight is held once, packed (no second copy).
+    assert engine.hold_weights and engine.runner.packed.extra_bytes == 0
+    assert line.endswith("GEMMs on packed weights (each weight held once)")
 
 
 def test_status_monitor_and_requests_show_the_pool(ip, capsys):

@@ -83,14 +83,17 @@ def test_release_restores_the_layers_and_drops_the_copies():
     assert all("forward" not in m.__dict__ and "_pagedkv_packed" not in m.__dict__ for m in packed)
 
 
-def test_only_fp32_cpu_weights_are_packed_by_default():
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_fp32_is_packed_everywhere_and_bf16_where_onednn_computes_it(monkeypatch, onednn_bf16):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
     assert should_pack(torch.device("cpu"), torch.float32)
-    assert not should_pack(torch.device("cpu"), torch.bfloat16)
+    assert should_pack(torch.device("cpu"), torch.bfloat16) is onednn_bf16
+    assert not should_pack(torch.device("cpu"), torch.float16)
     assert not should_pack(torch.device("cpu"), torch.float32, requested=False)
-    with pytest.raises(ValueError, match="pack_weights=True needs a CPU model in torch.float32"):
-        should_pack(torch.device("cpu"), torch.bfloat16, requested=True)
+    with pytest.raises(ValueError, match="pack_weights=True needs a CPU model in float32"):
+        should_pack(torch.device("cpu"), torch.float16, requested=True)
     bf16 = tiny_model("llama").to(torch.bfloat16)
-    assert pack_linears(bf16).layers == []
+    assert len(pack_linears(bf16).layers) == (15 if onednn_bf16 else 0)
 
 
 def test_the_engine_packs_by_default_and_generates_what_hf_generates(make_engine):
