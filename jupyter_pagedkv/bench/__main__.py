@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,tenants,monitor,kernels,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,kernels,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +25,8 @@ def main(argv: list[str]) -> int:
         from .tail import main as run
     elif name == "tenants":
         from .tenants import main as run
+    elif name == "memory":
+        from .memory import main as run
     elif name == "monitor":
         from .monitor import main as run
     elif name == "soak":

@@ -5,7 +5,6 @@ background threads see the same engine. Nothing here imports torch until a model
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import time
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
-from ..worker.host_memory import rss_bytes
+from ..worker.host_memory import return_freed_memory, rss_bytes
 
 if TYPE_CHECKING:
     from ..engine.outputs import RequestOutput
@@ -27,10 +26,7 @@ NO_ENGINE = "no model loaded: run `%pagedkv load` (the embedded SmolLM2-135M-Ins
 def release_freed_memory() -> None:
     """Collect garbage and ask glibc to hand freed heap pages back to the OS (no-op elsewhere)."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    return_freed_memory()
 
 
 def preflight(model: str | None, device: str, dtype: str, revision: str | None = None,

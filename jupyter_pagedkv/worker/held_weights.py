@@ -51,6 +51,16 @@ def shared_weights(model: nn.Module) -> set[int]:
     return {pid for pid, n in owners.items() if n > 1}
 
 
+def own_storage(model: nn.Module) -> None:
+    """Copy every parameter and buffer a held model still reads in place (embeddings, norms) into
+    memory of its own. Why: a checkpoint loaded in its own dtype is a memory map of the file, and
+    any one tensor left on it keeps the whole mapping, dropped weights included, resident."""
+    with torch.inference_mode(False), torch.no_grad():    # normal tensors, usable with autograd later
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu" and not is_placeholder(tensor) and tensor.numel():
+                tensor.data = tensor.data.clone()
+
+
 def _state_dict_hook(module: nn.Linear, state_dict: dict, prefix: str, local_metadata) -> None:
     """Put the exact plain weight into a held layer's state dict instead of its placeholder."""
     plain = module.__dict__.get("_pagedkv_plain")
@@ -60,7 +70,7 @@ def _state_dict_hook(module: nn.Linear, state_dict: dict, prefix: str, local_met
 
 def hold(module: nn.Linear, plain) -> None:
     """Drop `module`'s plain weight; `plain()` must rebuild it exactly (from the packed copy)."""
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         module.weight.data = placeholder(module.weight)
     module._pagedkv_held = True
     module._pagedkv_plain = plain
@@ -76,8 +86,8 @@ def restore(module: nn.Linear, weight: torch.Tensor | None) -> None:
     module.__dict__.pop("_pagedkv_plain", None)
     module.__dict__.pop("_pagedkv_held", None)
     if weight is not None:
-        with torch.no_grad():
-            module.weight.data = weight
+        with torch.inference_mode(False), torch.no_grad():
+            module.weight.data = weight.clone() if weight.is_inference() else weight
     else:
         module.forward = _unloaded
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import types
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -257,6 +258,7 @@ class PackedLinears:
     groups: list[_Group] = field(default_factory=list)
     learned: bool = False
     hold_weights: bool = False
+    model: weakref.ref | None = None      # with hold_weights: whose other tensors leave the file map
 
     @property
     def nbytes(self) -> int:
@@ -304,6 +306,9 @@ class PackedLinears:
                     held_weights.hold(m, lambda p=packed, k=m.in_features: held_weights.unpack(p.weight, k))
                     packed.stamp = _Stamp.of(m.weight)
         if self.hold_weights:
+            model = self.model() if self.model is not None else None
+            if model is not None:
+                held_weights.own_storage(model)
             from .host_memory import return_freed_memory
             return_freed_memory()          # the dropped plain weights, out of the resident set now
 
@@ -361,7 +366,7 @@ def pack_linears(model: nn.Module, hold: bool = False) -> PackedLinears:
     module also reads (a tied embedding) is then not packed: it would cost a second copy.
     Packing twice is harmless: a layer already packed is shared, not copied again.
     """
-    handle = PackedLinears(hold_weights=hold)
+    handle = PackedLinears(hold_weights=hold, model=weakref.ref(model) if hold else None)
     if not packing_available():
         return handle
     bound_primitive_caches()
