@@ -30,27 +30,40 @@ def random_prompt(length: int, vocab: int, tokenizer, seed: int) -> list[int]:
     return pool[torch.randint(len(pool), (length,), generator=g)].tolist()
 
 
-def ours_ttft(model, tokenizer, prompt: list[int]) -> tuple[float, int]:
-    """(seconds from add_request to the first token, that token) on a fresh engine."""
+NEW_TOKENS = 11          # the follow-up over the cached prompt, and the lone prompt it is set against
+
+
+def _first_token(engine, prompt: list[int]) -> tuple[float, int]:
+    """(seconds from add_request to the first token, that token)."""
     from ..core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    token = None
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, params)
+    while token is None:
+        outs = engine.step()
+        if not outs and not engine.has_unfinished_requests():
+            raise RuntimeError("the engine finished a prompt without a token")
+        token = next((o.token_ids[0] for o in outs if o.request_id == rid and o.token_ids), None)
+    return time.perf_counter() - t0, token
+
+
+def ours_ttft(model, tokenizer, prompt: list[int], follow_up: list[int]) -> tuple[float, int, float, float]:
+    """On a fresh engine: (TTFT of `prompt`, its token, TTFT of `prompt + follow_up` over the
+    prompt's cached blocks, TTFT of `follow_up` alone). The last two show whether a prefill over a
+    cached prefix costs in proportion to its new tokens."""
     from ..engine.engine import Engine
 
     context = getattr(model.config, "max_position_embeddings", None) or 0
-    engine = Engine(model, tokenizer, max_model_len=max(len(prompt) + 1, context))
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    token = None
+    engine = Engine(model, tokenizer, max_model_len=max(len(prompt) + len(follow_up) + 1, context))
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        rid = engine.add_request(prompt, params)
-        while token is None:
-            outs = engine.step()
-            if not outs and not engine.has_unfinished_requests():
-                raise RuntimeError("the engine finished the long prompt without a token")
-            token = next((o.token_ids[0] for o in outs if o.request_id == rid and o.token_ids), None)
-        seconds = time.perf_counter() - t0
+        seconds, token = _first_token(engine, prompt)
+        cached, _ = _first_token(engine, prompt + follow_up)
+        lone, _ = _first_token(engine, follow_up)
     del engine
     gc.collect()          # the next engine allocates its KV cache afresh
-    return seconds, token
+    return seconds, token, cached, lone
 
 
 def hf_prefill(model, prompt: list[int]) -> tuple[float, int]:
@@ -69,20 +82,24 @@ def run_long(ours_model, hf_model, tokenizer, lengths: list[int], rounds: int,
     """{str(length): long_entry} for one dtype; prints every pair as it lands."""
     vocab = ours_model.config.vocab_size
     warm = random_prompt(WARM_LEN, vocab, tokenizer, seed)
-    ours_ttft(ours_model, tokenizer, warm)        # untimed pair: one-off costs stay out
+    follow_up = random_prompt(NEW_TOKENS, vocab, tokenizer, seed + 1)
+    ours_ttft(ours_model, tokenizer, warm, follow_up)        # untimed pair: one-off costs stay out
     hf_prefill(hf_model, warm)
     results = {}
     for length in lengths:
         prompt = random_prompt(length, vocab, tokenizer, seed + length)
-        ours_s, hf_s, tok_ours, tok_hf = [], [], None, None
+        ours_s, hf_s, cached_s, lone_s, tok_ours, tok_hf = [], [], [], [], None, None
         for r in range(rounds):
-            s, tok_ours = ours_ttft(ours_model, tokenizer, prompt)
+            s, tok_ours, cached, lone = ours_ttft(ours_model, tokenizer, prompt, follow_up)
             ours_s.append(s)
+            cached_s.append(cached)
+            lone_s.append(lone)
             s, tok_hf = hf_prefill(hf_model, prompt)
             hf_s.append(s)
             print(f"  {dtype} {length} tokens, pair {r + 1}: ours {ours_s[-1]:.2f} s, transformers "
-                  f"{hf_s[-1]:.2f} s, ratio {ours_s[-1] / hf_s[-1]:.2f}x", flush=True)
-        e = results[str(length)] = long_entry(ours_s, hf_s, tok_ours, tok_hf)
+                  f"{hf_s[-1]:.2f} s, ratio {ours_s[-1] / hf_s[-1]:.2f}x; +{NEW_TOKENS} tokens over the "
+                  f"cached prompt {cached * 1e3:.0f} ms, {NEW_TOKENS} tokens alone {lone * 1e3:.0f} ms", flush=True)
+        e = results[str(length)] = long_entry(ours_s, hf_s, tok_ours, tok_hf, cached_s, lone_s)
         print(f"  {dtype} {length} tokens: first token ours {tok_ours} {_text(tokenizer, tok_ours)}, "
               f"transformers {tok_hf} {_text(tokenizer, tok_hf)}: "
               f"{'same' if e['same_first_token'] else 'DIFFERENT'}", flush=True)

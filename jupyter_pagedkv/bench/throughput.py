@@ -15,7 +15,9 @@ JSON (--json PATH), stable keys:
   agreement: {dtype: {system: identical greedy outputs out of the requests}}
   long_prompt: {dtype: {"2048": {ours_s: [...] (TTFT per pair), hf_s: [...] (transformers
       generate(max_new_tokens=1) per pair), ratio_per_round: [...], ratio_median, ours_first_token,
-      hf_first_token, same_first_token}}}
+      hf_first_token, same_first_token, cached_prefix_s: [...] (TTFT of 11 new tokens after the
+      prompt, over its cached blocks), new_tokens_alone_s: [...] (those 11 tokens as a prompt of
+      their own), cached_over_alone_per_round: [...], cached_over_alone_median}}}
   gemm: {dtype: {peak_gflops (packed or stock, the faster, over the model's linear shapes at
       peak_rows rows), peak_rows, flops_per_step, decode_gflops (a batch-32 decode step's GEMM
       FLOPs over its profiled GEMM self time), fraction (decode_gflops / peak_gflops)}}

@@ -90,24 +90,33 @@ def agreement_lines(dtype: str, outputs: dict[str, list[list[int]]], ours: str) 
 
 
 def long_entry(ours_s: list[float], hf_s: list[float], ours_token: int | None,
-               hf_token: int | None) -> dict[str, Any]:
-    """One prompt length in one dtype: TTFT pairs, their ratios, and the first tokens."""
+               hf_token: int | None, cached_s: list[float] = (), lone_s: list[float] = ()) -> dict[str, Any]:
+    """One prompt length in one dtype: TTFT pairs, their ratios, and the first tokens; and, per
+    round, the TTFT of a few new tokens over the cached prompt against the same tokens alone."""
     ratios = [a / b for a, b in zip(ours_s, hf_s)]
+    over = [c / lone for c, lone in zip(cached_s, lone_s)]
     return {"ours_s": list(ours_s), "hf_s": list(hf_s), "ratio_per_round": ratios,
             "ratio_median": statistics.median(ratios) if ratios else None,
             "ours_first_token": ours_token, "hf_first_token": hf_token,
-            "same_first_token": ours_token == hf_token}
+            "same_first_token": ours_token == hf_token,
+            "cached_prefix_s": list(cached_s), "new_tokens_alone_s": list(lone_s),
+            "cached_over_alone_per_round": over,
+            "cached_over_alone_median": statistics.median(over) if over else None}
 
 
 def long_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     """results[dtype][length] -> rows: every pair's times and ratio, and the median ratio."""
     lines = ["| dtype | prompt tokens | ours TTFT s per round | transformers prefill s per round "
-             "| ours / transformers per round | median |", "|---|---:|---|---|---|---:|"]
+             "| ours / transformers per round | median | new tokens over the cached prompt, ms "
+             "| the same alone, ms |", "|---|---:|---|---|---|---:|---|---|"]
     for dtype, by_len in results.items():
         for length, e in by_len.items():
             med = f"{e['ratio_median']:.2f}x" if e["ratio_median"] is not None else "-"
+            cached = [s * 1e3 for s in e.get("cached_prefix_s", [])]
+            lone = [s * 1e3 for s in e.get("new_tokens_alone_s", [])]
             lines.append(f"| {dtype} | {length} | {_join(e['ours_s'], '{:.2f}')} | {_join(e['hf_s'], '{:.2f}')} "
-                         f"| {_join(e['ratio_per_round'], '{:.2f}x')} | {med} |")
+                         f"| {_join(e['ratio_per_round'], '{:.2f}x')} | {med} | {_join(cached, '{:.0f}') or '-'} "
+                         f"| {_join(lone, '{:.0f}') or '-'} |")
     return lines
 
 

@@ -77,8 +77,10 @@ def test_gemm_entry_fraction_of_peak():
 
 def test_json_assembly_has_stable_keys_and_serialises():
     row = report.system_row("jupyter-pagedkv", 10, [1.0], 10, [1.0])
-    long = report.long_entry([2.0, 4.0], [4.0, 4.0], 7, 7)
+    long = report.long_entry([2.0, 4.0], [4.0, 4.0], 7, 7, cached_s=[0.15, 0.3], lone_s=[0.1, 0.1])
     assert long["ratio_per_round"] == [0.5, 1.0] and long["ratio_median"] == 0.75 and long["same_first_token"]
+    assert long["cached_over_alone_per_round"] == pytest.approx([1.5, 3.0])
+    assert long["cached_over_alone_median"] == pytest.approx(2.25)
     step = step_profile.breakdown([("aten::mm", 1000.0)], 0.01, 1) | {"ms_per_step": 9.0}
     gemm = report.gemm_entry(100.0, 512, 10**8, 0.001)
     doc = report.assemble({"cpu": "x", "isa": "avx2"}, {"float32": [row]}, {"float32": {"2048": long}},
@@ -87,5 +89,6 @@ def test_json_assembly_has_stable_keys_and_serialises():
     assert set(row) == {"system", "tokens", "round_seconds", "seconds", "tokens_per_s", "ours_over",
                         "ours_over_per_round"}
     assert json.loads(json.dumps(doc))["long_prompt"]["float32"]["2048"]["ratio_median"] == 0.75
-    assert any("| float32 | 2048 |" in line for line in report.long_table(doc["long_prompt"]))
+    assert any(line.startswith("| float32 | 2048 |") and line.endswith("| 150, 300 | 100, 100 |")
+               for line in report.long_table(doc["long_prompt"]))
     assert any(line.startswith("| float32 |") for line in report.step_table(doc["step"], doc["gemm"]))
