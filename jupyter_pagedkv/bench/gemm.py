@@ -70,8 +70,10 @@ def _can_pack(dtype: torch.dtype) -> bool:
 
 
 def measure(shapes: list[tuple[int, int]], rows_list: list[int], rounds: int,
-            dtype: torch.dtype = torch.float32, seed: int = 0) -> list[GemmTiming]:
-    """Time one pass over `shapes` at each row count, stock and packed alternating; medians."""
+            dtype: torch.dtype = torch.float32, seed: int = 0, stat=statistics.median) -> list[GemmTiming]:
+    """Time one pass over `shapes` at each row count, stock and packed alternating; medians (or
+    `stat=min`, the fastest pass, for a peak: on a shared machine a slow pass says nothing about
+    what the cores can do)."""
     g = torch.Generator().manual_seed(seed)
     weights = [(torch.randn(shape, generator=g) * 0.02).to(dtype) for shape in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights] if _can_pack(dtype) else None
@@ -98,8 +100,8 @@ def measure(shapes: list[tuple[int, int]], rows_list: list[int], rounds: int,
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
-        out.append(GemmTiming(rows, flops, statistics.median(times["stock"]),
-                              statistics.median(times["packed"]) if packed is not None else None))
+        out.append(GemmTiming(rows, flops, stat(times["stock"]),
+                              stat(times["packed"]) if packed is not None else None))
     return out
 
 

@@ -29,6 +29,16 @@ class PrefillChunk:
     q_len: int
     ctx_len: int
     block_ids: torch.Tensor          # physical blocks holding positions [0, ctx_len)
+    first_block: int | None = None   # set when those blocks are consecutive, first_block, +1, ...
+
+    def keys(self, cache: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """`cache`'s rows for this chunk's blocks lo .. hi - 1, as `[(hi - lo) * block_size,
+        kv_heads, head_dim]`. Consecutive blocks are a view of the cache: no copy of the prefix
+        (a long cached prefix was otherwise copied out once per layer and step)."""
+        kvh, d = cache.shape[-2:]
+        if self.first_block is not None:
+            return cache[self.first_block + lo:self.first_block + hi].view(-1, kvh, d)
+        return cache.index_select(0, self.block_ids[lo:hi]).view(-1, kvh, d)
 
 
 @dataclass
@@ -142,18 +152,17 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         elif window is None and softcap is None and _split_prefix_supported(query, own_v):
             # After a prefix: every query sees every prefix key, and its own chunk causally.
             start = ctx - n
-            blocks = chunk.block_ids[: -(-start // bs)]
-            pk = k_cache.index_select(0, blocks).view(-1, kvh, d)[:start].transpose(0, 1).unsqueeze(0)
-            pv = v_cache.index_select(0, blocks).view(-1, kvh, d)[:start].transpose(0, 1).unsqueeze(0)
+            pk = chunk.keys(k_cache, 0, -(-start // bs))[:start].transpose(0, 1).unsqueeze(0)
+            pv = chunk.keys(v_cache, 0, -(-start // bs))[:start].transpose(0, 1).unsqueeze(0)
             o = attend_after_prefix(q, pk, pv, own_k.transpose(0, 1).unsqueeze(0),
                                     own_v.transpose(0, 1).unsqueeze(0), scale)
         else:
             # A window that cuts, logit soft-capping, or no flash kernel with its log-sum-exp:
             # a dense [n, keys] mask over the keys some query of the chunk can see.
             lo = 0 if window is None else max(0, ctx - n - window + 1) // bs * bs
-            blocks = chunk.block_ids[lo // bs:]
-            k = k_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx - lo].transpose(0, 1).unsqueeze(0)
-            v = v_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+            hi = len(chunk.block_ids)
+            k = chunk.keys(k_cache, lo // bs, hi)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+            v = chunk.keys(v_cache, lo // bs, hi)[:ctx - lo].transpose(0, 1).unsqueeze(0)
             qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
             kpos = torch.arange(lo, ctx, device=query.device).view(1, -1)
             mask = kpos <= qpos

@@ -78,9 +78,13 @@ class ModelRunner:
             ids.extend(c.seq.token_ids[c.start:end])
             pos = torch.arange(c.start, end)
             positions.extend(range(c.start, end))
-            block_ids = torch.tensor(table.block_ids[: -(-end // bs)], dtype=torch.long)
+            ids_list = table.block_ids[: -(-end // bs)]
+            block_ids = torch.tensor(ids_list, dtype=torch.long)
             prefill_slots.append(block_ids[pos // bs] * bs + pos % bs)
-            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device)))
+            # A fresh pool hands a long prompt consecutive blocks: attention then reads them in place.
+            first = ids_list[0] if ids_list[-1] - ids_list[0] == len(ids_list) - 1 and ids_list == list(
+                range(ids_list[0], ids_list[0] + len(ids_list))) else None
+            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device), first))
             q_loc.append(q_loc[-1] + c.num_tokens)
             seq_lens.append(end)
             tables.append(table.block_ids)

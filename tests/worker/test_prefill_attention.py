@@ -48,6 +48,28 @@ def prefill_batch(chunks, heads, kv_heads, head_dim, block_size, dtype, g):
     return query, k_cache, v_cache, meta, new_k, new_v
 
 
+def laid_out_consecutively(k_cache, v_cache, meta, block_size):
+    """The same batch with each chunk's blocks moved to consecutive places in the cache, the
+    layout a fresh pool gives a long prompt: chunks then carry `first_block` and read in place."""
+    remap, order = torch.arange(k_cache.shape[0]), []
+    for chunk in meta.prefills:
+        for b in chunk.block_ids.tolist():
+            remap[b] = len(order)
+            order.append(b)
+    rest = [b for b in range(k_cache.shape[0]) if b not in set(order)]
+    remap[rest] = torch.arange(len(order), len(order) + len(rest))
+    order += rest
+    k, v = k_cache[order].clone(), v_cache[order].clone()
+    prefills = [PrefillChunk(c.q_start, c.q_len, c.ctx_len, remap[c.block_ids], int(remap[c.block_ids[0]]))
+                for c in meta.prefills]
+    slots = remap[meta.slot_mapping // block_size] * block_size + meta.slot_mapping % block_size
+    tables = remap[meta.block_tables.long()].to(torch.int32)
+    moved = PagedMetadata(kv_cache=None, slot_mapping=slots, query_start_loc=meta.query_start_loc,
+                          seq_lens=meta.seq_lens, block_tables=tables, prefills=prefills,
+                          max_seq_len=meta.max_seq_len)
+    return k, v, moved
+
+
 def expected(query, k_cache, v_cache, meta, scale, window):
     return reference.paged_attention(query.float(), k_cache.float(), v_cache.float(), meta.block_tables,
                                      meta.seq_lens, meta.query_start_loc, scale, sliding_window=window)
@@ -73,12 +95,16 @@ def test_prefill_chunks_match_the_reference_at_random_shapes(seed, dtype, monkey
                                                                 dtype, g)
     scale = head_dim ** -0.5
     want = expected(query, k_cache, v_cache, meta, scale, window)
-    for keys in ((new_k, new_v), (None, None)):        # own keys read in place, or gathered back
-        out = paged_attention_torch(query, k_cache, v_cache, meta, scale, window, *keys)
-        assert out.dtype == dtype
-        assert (out.float() - want).abs().max().item() <= TOLERANCE[dtype]
+    k2, v2, meta2 = laid_out_consecutively(k_cache, v_cache, meta, block_size)
+    for layout in ((k_cache, v_cache, meta), (k2, v2, meta2)):    # blocks gathered, or read in place
+        for keys in ((new_k, new_v), (None, None)):    # own keys read in place, or gathered back
+            out = paged_attention_torch(query, *layout, scale, window, *keys)
+            assert out.dtype == dtype
+            assert (out.float() - want).abs().max().item() <= TOLERANCE[dtype]
     if window is None:
-        assert len(merged) == 2 * 4      # every chunk after a prefix, both times, without a mask
+        assert len(merged) == 2 * 2 * 4      # every chunk after a prefix, every time, without a mask
+    chunk = meta2.prefills[1]
+    assert chunk.keys(k2, 0, 2).data_ptr() == k2[chunk.first_block].data_ptr()     # a view, no copy
 
 
 _attend_after_prefix = attention.attend_after_prefix
