@@ -36,7 +36,7 @@ def preflight(model: str | None, device: str, dtype: str, revision: str | None =
     A hub id is fetched here (downloaded on first use, with the hub's progress bars), so a wrong
     id, a gated repo or a missing network leaves the loaded engine in place. Raises ValueError
     with the loader's wording; the full checks still happen while loading."""
-    from ..worker.loader import embedded_gguf, locate
+    from ..worker.loader import choose_dtype, embedded_gguf, locate
 
     if model is None:
         embedded_gguf()
@@ -45,8 +45,8 @@ def preflight(model: str | None, device: str, dtype: str, revision: str | None =
     import torch
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device here; use --device cpu or auto")
-    if dtype != "auto" and not isinstance(getattr(torch, dtype.replace("torch.", ""), None), torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    if dtype != "auto":
+        choose_dtype(device, dtype)          # the loader's own check, and its wording
 
 
 @dataclass
