@@ -322,13 +322,13 @@ class PackedLinears:
             m._pagedkv_users = users
             if users <= 0:
                 last.append(m)
-        plain: dict[int, torch.Tensor] = {}
+        plain: dict[int, list[torch.Tensor]] = {}      # a group's members, unpacked once
         for m in last:
             if m.__dict__.get("_pagedkv_held"):
                 group, index = m.__dict__.get("_pagedkv_group", (None, 0))
                 if restore and group is not None:
                     if id(group) not in plain:
-                        plain.update({id(group): group.plain()})
+                        plain[id(group)] = group.plain()
                     weight = plain[id(group)][index]
                 elif restore:
                     weight = held_weights.unpack(m._pagedkv_packed.weight, m.in_features)
