@@ -22,14 +22,10 @@ CONFIGS = {"plain GEMMs (no packing)": {"pack_weights": False},
 
 
 def resident_mib() -> float:
-    """Anonymous + file-backed resident memory of this process, MiB."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssFile:")):
-                key, value = line.split(":")
-                fields[key] = int(value.split()[0]) / 1024
-    return fields.get("RssAnon", 0.0) + fields.get("RssFile", 0.0)
+    """This process's resident memory (anonymous + file-backed), MiB."""
+    from ..worker.host_memory import rss_bytes
+
+    return rss_bytes() / 2**20
 
 
 def measure(dtype: str, options: dict) -> dict:

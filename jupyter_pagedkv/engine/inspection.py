@@ -131,7 +131,6 @@ class EngineInspection:
             return self.pool.reset_cache()
 
 
-
 def _packing_cost(packed) -> str:
     """'held once' or what the packed copies cost beside the plain weights."""
     extra = packed.extra_bytes

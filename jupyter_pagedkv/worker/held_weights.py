@@ -36,10 +36,10 @@ def unpack(packed: torch.Tensor, in_features: int) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(eye, packed, None, "none", [], "").t().contiguous()
 
 
-def can_hold(module: nn.Linear, shared: set[int]) -> bool:
-    """Whether `module`'s plain weight may be dropped: finite, and read by no other module."""
-    weight = module.weight
-    return id(weight) not in shared and bool(torch.isfinite(weight).all())
+def can_hold(weight: torch.Tensor) -> bool:
+    """Whether a weight's plain copy may be dropped: only a finite one comes back exactly from the
+    identity GEMM. (Shared weights are never packed when holding: see `shared_weights`.)"""
+    return bool(torch.isfinite(weight).all())
 
 
 def shared_weights(model: nn.Module) -> set[int]:

@@ -81,10 +81,8 @@ class ModelRunner:
             ids_list = table.block_ids[: -(-end // bs)]
             block_ids = torch.tensor(ids_list, dtype=torch.long)
             prefill_slots.append(block_ids[pos // bs] * bs + pos % bs)
-            # A fresh pool hands a long prompt consecutive blocks: attention then reads them in place.
-            first = ids_list[0] if ids_list[-1] - ids_list[0] == len(ids_list) - 1 and ids_list == list(
-                range(ids_list[0], ids_list[0] + len(ids_list))) else None
-            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device), first))
+            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device),
+                                             _first_if_consecutive(ids_list)))
             q_loc.append(q_loc[-1] + c.num_tokens)
             seq_lens.append(end)
             tables.append(table.block_ids)
@@ -161,3 +159,10 @@ class ModelRunner:
         self.clock.stop()
         self.last_forward_s = time.perf_counter() - t0
         return [c for c in ordered if c.samples], logits
+
+
+def _first_if_consecutive(block_ids: list[int]) -> int | None:
+    """The first block when the blocks run b, b + 1, b + 2, ... (what a fresh pool hands a long
+    prompt): attention then reads them in place instead of gathering them."""
+    first = block_ids[0]
+    return first if block_ids == list(range(first, first + len(block_ids))) else None

@@ -382,7 +382,7 @@ def pack_linears(model: nn.Module, hold: bool = False) -> PackedLinears:
             if hold and id(weight) in shared:
                 continue      # tied: the other reader needs the plain weight, a copy would double it
             module._pagedkv_packed = None
-            module._pagedkv_holdable = hold and held_weights.can_hold(module, shared)
+            module._pagedkv_holdable = hold and held_weights.can_hold(weight)
             module.forward = types.MethodType(_packed_forward, module)
         elif module.__dict__["forward"] is held_weights._unloaded:
             continue
