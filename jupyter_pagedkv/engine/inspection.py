@@ -90,6 +90,7 @@ class EngineInspection:
                    f"of KV, {kv.bytes_per_block:,} bytes per block, {format_bytes(kv.nbytes)} KV memory, "
                    f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
+                   + (", steps in the lean loop" if self.runner.lean is not None else "")
                    + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
                       if self.dtype_reason.startswith("auto: ") else ""))
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,

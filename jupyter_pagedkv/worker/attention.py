@@ -62,6 +62,7 @@ class PagedMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     max_seq_len: int = 0
     backend: str = "torch"
+    all_slots_valid: bool = False     # no -1 in slot_mapping (the runner checks once per step)
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -70,10 +71,11 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store key/value rows `[num_tokens, kv_heads, head_dim]` into their slots (-1 skips a row)."""
+             slot_mapping: torch.Tensor, all_valid: bool = False) -> None:
+    """Store key/value rows `[num_tokens, kv_heads, head_dim]` into their slots (-1 skips a row;
+    `all_valid` says the caller knows there is none, sparing a check and a sync per layer)."""
     kvh, d = k_cache.shape[-2:]
-    if bool((slot_mapping < 0).any()):
+    if not all_valid and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
@@ -218,22 +220,28 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if meta is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    softcap = kwargs.get("softcap")
-    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     q = query[0].transpose(0, 1)                    # [T, heads, d]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    out = paged_attention(module.layer_idx, q, k, v, meta, scale, window, kwargs.get("softcap"))
+    return out.unsqueeze(0), None
+
+
+def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One layer's step: store this step's `k`/`v` `[T, kv_heads, d]` in their slots and attend
+    `q [T, heads, d]` over the paged cache; returns `[T, heads, d]`. Shared by the AttentionInterface
+    entry above and the lean forward loop (lean_forward.py)."""
+    k_cache, v_cache = meta.kv_cache.layer(layer_idx)
     if meta.backend == "triton":
         if softcap is not None:   # Engine refuses this pairing at build time; a guard for direct use
             raise NotImplementedError("the Triton kernels do not soft-cap attention logits: use the torch backend")
         from .kernels_bridge import paged_attention_triton, write_kv_triton
         write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
-    else:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v, softcap)
-    return out.unsqueeze(0), None
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.all_slots_valid)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v, softcap)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -8,7 +8,9 @@ import torch
 
 from ..core.scheduler import ScheduledChunk
 from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additive_mask
+from . import lean_forward
 from .kv_cache import KVCache
+from .lean_forward import LeanForward
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
 from .padded_decode import PaddedDecode
 from .step_timing import ForwardClock
@@ -37,6 +39,14 @@ class ModelRunner:
         self.packed: PackedLinears = pack_linears(model, hold_weights) if pack_weights else PackedLinears()
         if self.packed.layers:
             self._learn_packing()
+        # Steps through one plain loop over the model's modules where that is proven exact
+        # (lean_forward.py); measured on the CPU only, so a GPU keeps the model's own forward.
+        self.lean: LeanForward | None = None
+        self.forward_kind = "the model's own forward"
+        if device.type == "cpu" and (self.packed.learned or not self.packed.layers):
+            with packed_gemms(self.packed):
+                self.lean, self.forward_kind = lean_forward.plan(model, self.packed)
+            logger.info("engine steps run %s", self.forward_kind)
 
     def _learn_packing(self) -> None:
         """Run one token through the model now, so that learning which layers share an input (and
@@ -103,6 +113,7 @@ class ModelRunner:
             prefills=prefill_info,
             max_seq_len=max(seq_lens),
             backend=self.backend,
+            all_slots_valid=bool((slot_mapping >= 0).all()),
         )
         if decodes:
             nd = len(decodes)
@@ -153,6 +164,9 @@ class ModelRunner:
         with packed_gemms(self.packed):
             if batch is not None:
                 logits = self.padded.run(batch, len(chunks))
+            elif self.lean is not None:
+                logits = self.lean(inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"],
+                                   inputs["paged"])
             else:
                 logits = self.model(**inputs, use_cache=False).logits[0]
         logits = logits.float()

@@ -158,13 +158,16 @@ class _Group:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.stamps = [_Stamp.of(m.weight) for m in self.members]
 
-    def _gemm(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """All members' outputs side by side, `[..., sum of out_features]`, from one GEMM."""
         if not self._fresh():
             if self.held:
                 raise _changed_held_weight(self.members[0])
             self._repack()
-        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return list(out.split(self.splits, dim=-1))
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def _gemm(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.gemm(x).split(self.splits, dim=-1))
 
     def lead(self, x: torch.Tensor) -> torch.Tensor:
         """The first member's call: one GEMM for all, the others' columns kept for them."""
@@ -198,13 +201,20 @@ def _version(x: torch.Tensor) -> int:
     return -1 if x.is_inference() else x._version
 
 
+def _runs_packed(layer: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether this call computes through the packed weight: always for a held layer (refusing
+    what it cannot do), else only inside `packed_gemms` on a CPU input of the weight's dtype."""
+    if layer.__dict__.get("_pagedkv_held", False):
+        _check_held_call(layer, x)
+        return True
+    return (getattr(_ACTIVE, "on", False) and x.device.type == "cpu" and x.dtype == layer.weight.dtype
+            and not torch.is_grad_enabled())
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     held = self.__dict__.get("_pagedkv_held", False)
-    if held:
-        _check_held_call(self, x)
-    elif not (getattr(_ACTIVE, "on", False) and x.device.type == "cpu" and x.dtype == weight.dtype
-              and not torch.is_grad_enabled()):
+    if not _runs_packed(self, x):
         return F.linear(x, weight, self.bias)
     x = x.contiguous()
     recorder = getattr(_ACTIVE, "recorder", None)
@@ -274,6 +284,15 @@ class PackedLinears:
         return sum(m.weight.numel() * m.weight.element_size() for m in self.layers
                    if not m.__dict__.get("_pagedkv_held") and (
                        m.__dict__.get("_pagedkv_packed") or m.__dict__.get("_pagedkv_group")))
+
+    def fused(self, linears: tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
+        """`torch.cat([m(x) for m in linears], -1)`: one GEMM when they are exactly one learned
+        group (q/k/v, gate/up), the same values either way."""
+        group, index = linears[0].__dict__.get("_pagedkv_group", (None, 0))
+        if (group is not None and index == 0 and len(group.members) == len(linears)
+                and all(a is b for a, b in zip(group.members, linears)) and _runs_packed(linears[0], x)):
+            return group.gemm(x.contiguous())
+        return torch.cat([m(x) for m in linears], dim=-1)
 
     def learn(self, calls: list[tuple[nn.Linear, torch.Tensor]]) -> None:
         """Group layers called with one and the same input tensor (in call order)."""

@@ -1,0 +1,110 @@
+"""The lean forward loop: which models get it, why the others do not, and that an engine step
+through it computes bit for bit what the model's own forward computes through our attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jupyter_pagedkv import SamplingParams
+from jupyter_pagedkv.bench.models import random_prompts, tiny_model
+from jupyter_pagedkv.worker import lean_forward
+from jupyter_pagedkv.worker.attention import ATTN_IMPLEMENTATION
+from jupyter_pagedkv.worker.packed_linear import PackedLinears, packable_dtypes, packed_gemms
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def tiny_granite():
+    """Llama's parts exactly, but scaled embeddings, residuals and logits: only the probe can tell."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.GraniteConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0,
+                              residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.3)
+    return tf.GraniteForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "mistral-window48"])
+def test_llama_shaped_models_get_the_lean_loop(arch):
+    model = tiny_model(arch)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    lean, why = lean_forward.plan(model, PackedLinears())
+    assert lean is not None, why
+    assert "lean loop" in why
+    # The probe borrows the model's attention setting and gives it back.
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    if arch == "mistral-window48":
+        assert {a.window for a in lean.attention} == {48}        # recorded from the model's own call
+
+
+@pytest.mark.parametrize("arch, reason", [
+    ("qwen3", "attention has parts beyond"),        # q_norm / k_norm
+    ("phi3", "not exactly the Llama parts"),        # fused qkv_proj / gate_up_proj
+])
+def test_other_shapes_keep_their_own_forward(arch, reason):
+    lean, why = lean_forward.plan(tiny_model(arch), PackedLinears())
+    assert lean is None
+    assert why.startswith("the model's own forward") and reason in why
+
+
+def test_the_probe_refuses_a_model_whose_forward_differs_from_its_parts():
+    lean, why = lean_forward.plan(tiny_granite(), PackedLinears())
+    assert lean is None
+    assert "logits differ" in why
+
+
+def _step_logits(make_engine, model, lean: bool, **options) -> list[torch.Tensor]:
+    """Every step's logits of one engine run over shared-prefix prompts (prefix hits, chunked
+    prefill, mixed decode + prefill steps), with the lean loop on or off."""
+    engine = make_engine(model, **options)
+    if not lean:
+        engine.runner.lean = None
+    else:
+        assert engine.runner.lean is not None, engine.runner.forward_kind
+    seen: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def recording(*args, **kwargs):
+        chunks, logits = execute(*args, **kwargs)
+        seen.append(logits.clone())
+        return chunks, logits
+
+    engine.runner.execute = recording
+    shared = random_prompts(1, 256, seed=3, lo=40, hi=41)[0]
+    prompts = [shared + p for p in random_prompts(6, 256, seed=5, lo=3, hi=30)]
+    engine.generate(prompts[:2], GREEDY)              # leaves the shared prefix cached
+    engine.generate(prompts, GREEDY)
+    return seen
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("mistral-window48", torch.float32),
+                                         ("qwen2", torch.float32), ("llama", torch.bfloat16)])
+def test_engine_steps_are_bit_identical_to_the_models_own_forward(make_engine, arch, dtype):
+    model = tiny_model(arch).to(dtype)
+    options = dict(block_size=8, max_num_batched_tokens=48, max_num_seqs=4)
+    ours = _step_logits(make_engine, model, True, **options)
+    theirs = _step_logits(make_engine, model, False, **options)
+    assert len(ours) == len(theirs) > 10
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+def test_held_packed_weights_serve_the_lean_loop():
+    """Sibling projections run as one packed GEMM through the handle, the same values as alone."""
+    from jupyter_pagedkv.worker.packed_linear import pack_linears
+
+    model = tiny_model("llama")
+    if torch.float32 not in packable_dtypes():
+        pytest.skip("this torch has no oneDNN packed GEMMs")
+    handle = pack_linears(model)
+    with torch.inference_mode(), packed_gemms(handle):
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False)     # learns the groups
+        lean, why = lean_forward.plan(model, handle)
+        attn = model.model.layers[0].self_attn
+        x = torch.randn(5, 64)
+        fused = handle.fused((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        apart = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    assert lean is not None, why
+    assert handle.groups and torch.equal(fused, apart)
+    handle.release()
