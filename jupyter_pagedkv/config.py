@@ -93,6 +93,10 @@ class EngineConfig:
         None, "keep each layer's plain weight beside its packed copy (twice the weight memory; the "
               "default only for a model passed to Engine(), whose owner may still run it)",
         flag="--keep-plain-weights")
+    step_loop: str = option(
+        "auto", "how CPU steps run a Llama-shaped model: auto = decode steps in C++ and the rest in "
+                "the lean Python loop where each is proven exact, else the model's own forward; native "
+                "and lean insist; model = always the model's own forward", choices=("auto", "native", "lean", "model"))
     pad_decode: bool = option(False, "pad decode-only steps to bucket sizes in static buffers (what "
                                      "CUDA graphs replay; implied by --cuda-graphs)", flag="--pad-decode")
     cuda_graphs: bool = option(False, "capture decode steps as CUDA graphs (CUDA only; off until a GPU "

@@ -20,6 +20,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from ..core.sampling_params import BeamSearchParams, SamplingParams
 from ..core.stats import EngineStats
 from ..worker.host_memory import rss_bytes
@@ -138,16 +140,24 @@ def soak(num_requests: int = 3000, seed: int = 0, threaded: bool = False, failur
         except AssertionError as err:
             report.violations.append(f"after step {engine.num_steps}: {err}")
 
-    real_forward = model.forward
+    real_embedding = model.model.embed_tokens
 
-    def flaky_forward(*args, **kwargs):        # a forward that sometimes fails, as an OOM would
-        if kwargs.get("paged") is not None and rng_fail.random() < failure_rate:
-            report.injected_failures += 1
-            raise InjectedFailure("injected: the forward ran out of memory")
-        return real_forward(*args, **kwargs)
+    class FlakyEmbedding(torch.nn.Module):
+        """The model's first module, failing now and then as an out-of-memory error would; every
+        way the engine runs a step (its own forward, the lean and C++ loops) starts with it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.real = real_embedding
+
+        def forward(self, input_ids):
+            if rng_fail.random() < failure_rate:
+                report.injected_failures += 1
+                raise InjectedFailure("injected: the forward ran out of memory")
+            return self.real(input_ids)
 
     engine.add_step_listener(check_after_step)
-    model.forward = flaky_forward
+    model.model.embed_tokens = FlakyEmbedding()
     deltas: queue.SimpleQueue = queue.SimpleQueue()     # every request's deltas: the last says how it ended
     live: set[str] = set()
     t0 = time.perf_counter()
@@ -190,7 +200,7 @@ def soak(num_requests: int = 3000, seed: int = 0, threaded: bool = False, failur
         drive(num_requests)
     finally:
         engine.stop()
-        model.forward = real_forward
+        model.model.embed_tokens = real_embedding
     gc.collect()
     report.rss_end_mib = _rss_mib()
     report.seconds = time.perf_counter() - t0

@@ -90,7 +90,7 @@ class EngineInspection:
                    f"of KV, {kv.bytes_per_block:,} bytes per block, {format_bytes(kv.nbytes)} KV memory, "
                    f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
-                   + (", steps in the lean loop" if self.runner.lean is not None else "")
+                   + _step_loop(self.runner.lean)
                    + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
                       if self.dtype_reason.startswith("auto: ") else ""))
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,
@@ -136,3 +136,11 @@ def _packing_cost(packed) -> str:
     """'held once' or what the packed copies cost beside the plain weights."""
     extra = packed.extra_bytes
     return f"+{format_bytes(extra)} beside the plain weights" if extra else "each weight held once"
+
+
+def _step_loop(lean) -> str:
+    """How steps run, when not through the model's own forward (worker/lean_forward.py)."""
+    if lean is None:
+        return ""
+    native = lean.native is not None and lean.native.enabled
+    return ", steps in the lean loop" + (" (decode steps in C++)" if native else "")

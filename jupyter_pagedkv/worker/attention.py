@@ -70,6 +70,15 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
+def decode_window_bias(meta: PagedMetadata, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """The decode rows' additive mask when a sliding window cuts: a key is visible if it is in
+    the sequence and among its last `window` positions."""
+    nd, length = meta.decode_mask.shape[0], meta.decode_mask.shape[-1]
+    lens = meta.seq_lens[:nd].to(torch.int64).view(nd, 1, 1, 1)
+    visible = meta.decode_mask & (torch.arange(length, device=lens.device).view(1, 1, 1, -1) > lens - 1 - window)
+    return additive_mask(visible, dtype)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor, all_valid: bool = False) -> None:
     """Store key/value rows `[num_tokens, kv_heads, head_dim]` into their slots (-1 skips a row;
@@ -127,12 +136,7 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         # index_select copies whole blocks (~4x faster than advanced indexing on the CPU).
         k = k_cache.index_select(0, bt.view(-1)).view(nd, length, kvh, d).transpose(1, 2)
         v = v_cache.index_select(0, bt.view(-1)).view(nd, length, kvh, d).transpose(1, 2)
-        bias = meta.decode_bias
-        if sliding_window is not None:
-            lens = meta.seq_lens[:nd].to(torch.int64).view(nd, 1, 1, 1)
-            visible = meta.decode_mask & (torch.arange(length, device=query.device).view(1, 1, 1, -1)
-                                          > lens - 1 - sliding_window)
-            bias = additive_mask(visible, query.dtype)
+        bias = meta.decode_bias if sliding_window is None else decode_window_bias(meta, sliding_window, query.dtype)
         # GQA folded: the query heads sharing a KV head become that head's query rows, so each
         # KV head is read once and no `enable_gqa` broadcast is needed (same sums, same order).
         q = query[:nd].view(nd, kvh, heads // kvh, d)

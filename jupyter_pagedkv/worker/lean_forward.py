@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import PagedMetadata, paged_attention
+from .native_decode import NativeDecode
 from .packed_linear import PackedLinears
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,25 @@ class LeanForward:
         self.layers = list(base.layers)
         self.head_dim = self.layers[0].self_attn.head_dim
         self.probe_calls: list[dict] | None = None    # set while proving: the model's own calls
+        self.native: NativeDecode | None = None        # decode-only steps in C++, where planned
+        # What the model's own forward would honour and this loop would not see: hooks, and a
+        # forward replaced on an instance after the probe (the packed layers' own is recorded).
+        self._watched = [(m, m.__dict__.get("forward")) for m in model.modules()]
+        self._diverted = False
+
+    def usable(self) -> bool:
+        """False while a module has forward hooks or a replaced forward: the model's own forward
+        runs those steps (checked every step, ~0.1 ms for a 30-layer model)."""
+        from torch.nn.modules import module as nn_module
+
+        plain = not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) and all(
+            not m._forward_hooks and not m._forward_pre_hooks and m.__dict__.get("forward") is f
+            for m, f in self._watched)
+        if plain == self._diverted:
+            self._diverted = not plain
+            logger.info("the model %s: engine steps run %s", "has forward hooks or a replaced forward" if
+                        self._diverted else "is plain again", "its own forward" if self._diverted else "the lean loop")
+        return plain
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  paged: PagedMetadata | None) -> torch.Tensor:
@@ -65,6 +85,22 @@ class LeanForward:
         h = base.embed_tokens(input_ids)[0]                    # [T, hidden]
         cos, sin = base.rotary_emb(h, position_ids)            # [1, T, head_dim]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)    # [T, 1, head_dim]: over heads
+        native = self.native
+        if native is not None and native.serves(paged, h.shape[0]):
+            out = native.run(h, cos, sin, paged)
+            if not native.proven:     # its first step: the lean loop computes it too, and decides
+                lean = self._layers(h, cos, sin, paged)
+                native.prove(out, lean)
+                out = lean
+            h = out
+        else:
+            h = self._layers(h, cos, sin, paged)
+        h = _rms_norm(base.norm, h)
+        return self.model.lm_head(h[logits_to_keep])
+
+    def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                paged: PagedMetadata | None) -> torch.Tensor:
+        """Every decoder layer, in Python: the reference the C++ decode loop must equal."""
         tokens, d = h.shape[0], self.head_dim
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -79,8 +115,7 @@ class LeanForward:
             gate, up = self.packed.fused((mlp.gate_proj, mlp.up_proj), x).split(
                 (mlp.gate_proj.out_features, mlp.up_proj.out_features), dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
-        h = _rms_norm(base.norm, h)
-        return self.model.lm_head(h[logits_to_keep])
+        return h
 
     def _attend(self, i: int, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 paged: PagedMetadata | None) -> torch.Tensor:

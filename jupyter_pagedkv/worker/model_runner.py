@@ -11,6 +11,7 @@ from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additiv
 from . import lean_forward
 from .kv_cache import KVCache
 from .lean_forward import LeanForward
+from .native_decode import NativeDecode
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
 from .padded_decode import PaddedDecode
 from .step_timing import ForwardClock
@@ -24,7 +25,7 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch",
                  pack_weights: bool = False, padded: PaddedDecode | None = None,
-                 hold_weights: bool = False) -> None:
+                 hold_weights: bool = False, step_loop: str = "auto") -> None:
         self.model = model
         self.padded = padded          # decode-only steps in bucket shapes (CUDA graphs on a GPU)
         self.kv_cache = kv_cache
@@ -39,14 +40,40 @@ class ModelRunner:
         self.packed: PackedLinears = pack_linears(model, hold_weights) if pack_weights else PackedLinears()
         if self.packed.layers:
             self._learn_packing()
-        # Steps through one plain loop over the model's modules where that is proven exact
-        # (lean_forward.py); measured on the CPU only, so a GPU keeps the model's own forward.
         self.lean: LeanForward | None = None
         self.forward_kind = "the model's own forward"
-        if device.type == "cpu" and (self.packed.learned or not self.packed.layers):
-            with packed_gemms(self.packed):
-                self.lean, self.forward_kind = lean_forward.plan(model, self.packed)
+        self._plan_step_loop(step_loop)
+
+    def _plan_step_loop(self, step_loop: str) -> None:
+        """Steps through one plain loop over the model's modules where that is proven exact
+        (lean_forward.py), decode steps through its C++ twin where that builds (native_decode.py).
+        Measured on the CPU only, so a GPU keeps the model's own forward."""
+        if step_loop == "model":
+            return
+        if self.device.type != "cpu" or self.backend != "torch":
+            if step_loop != "auto":
+                raise ValueError(f"step_loop={step_loop!r} runs on the CPU with the torch attention backend "
+                                 f"only (this engine: {self.device.type}, {self.backend}): use 'auto'")
+            return
+        if self.packed.layers and not self.packed.learned:
+            return           # the model did not run on one token: its first step learns the packing
+        with packed_gemms(self.packed):
+            self.lean, self.forward_kind = lean_forward.plan(self.model, self.packed)
+        if self.lean is None:
+            if step_loop != "auto":
+                raise ValueError(f"step_loop={step_loop!r} cannot run this model, which keeps "
+                                 f"{self.forward_kind}: use 'auto' or 'model'")
             logger.info("engine steps run %s", self.forward_kind)
+            return
+        if step_loop in ("auto", "native"):
+            calls = self.lean.attention
+            native, why = NativeDecode.plan(self.model, self.packed, [c.scaling for c in calls],
+                                            [c.window for c in calls], [c.softcap for c in calls],
+                                            required=step_loop == "native")
+            self.lean.native = native
+            self.forward_kind += (", decode steps in C++ (native_decode.py)" if native is not None
+                                  else f"; decode steps stay in Python: {why}")
+        logger.info("engine steps run %s", self.forward_kind)
 
     def _learn_packing(self) -> None:
         """Run one token through the model now, so that learning which layers share an input (and
@@ -164,7 +191,7 @@ class ModelRunner:
         with packed_gemms(self.packed):
             if batch is not None:
                 logits = self.padded.run(batch, len(chunks))
-            elif self.lean is not None:
+            elif self.lean is not None and self.lean.usable():
                 logits = self.lean(inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"],
                                    inputs["paged"])
             else:

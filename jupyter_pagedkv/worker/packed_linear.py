@@ -294,6 +294,29 @@ class PackedLinears:
             return group.gemm(x.contiguous())
         return torch.cat([m(x) for m in linears], dim=-1)
 
+    def packed_weight(self, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The packed weight and bias of the one GEMM that computes `linears` (a learned group, in
+        its order, or one packed layer), re-packed first if a plain weight changed; None if they
+        are not packed as such. For callers that run the GEMM themselves (native_decode.py)."""
+        first = linears[0]
+        group, index = first.__dict__.get("_pagedkv_group", (None, 0))
+        if group is not None:
+            if index != 0 or len(group.members) != len(linears) or any(a is not b for a, b in zip(group.members, linears)):
+                return None
+            if not group._fresh():
+                if group.held:
+                    raise _changed_held_weight(first)
+                group._repack()
+            return group.weight, group.bias
+        if len(linears) != 1 or "_pagedkv_packed" not in first.__dict__:
+            return None
+        packed = first._pagedkv_packed
+        if packed is None or not packed.copies(first.weight):
+            if first.__dict__.get("_pagedkv_held"):
+                raise _changed_held_weight(first)
+            packed = first._pagedkv_packed = _Packed.of(first.weight)
+        return packed.weight, first.bias
+
     def learn(self, calls: list[tuple[nn.Linear, torch.Tensor]]) -> None:
         """Group layers called with one and the same input tensor (in call order)."""
         self.learned = True

@@ -54,14 +54,10 @@ def test_the_probe_refuses_a_model_whose_forward_differs_from_its_parts():
     assert "logits differ" in why
 
 
-def _step_logits(make_engine, model, lean: bool, **options) -> list[torch.Tensor]:
+def _step_logits(make_engine, model, step_loop: str, **options) -> tuple[list[torch.Tensor], object]:
     """Every step's logits of one engine run over shared-prefix prompts (prefix hits, chunked
-    prefill, mixed decode + prefill steps), with the lean loop on or off."""
-    engine = make_engine(model, **options)
-    if not lean:
-        engine.runner.lean = None
-    else:
-        assert engine.runner.lean is not None, engine.runner.forward_kind
+    prefill, mixed decode + prefill steps, decode-only steps), and the engine."""
+    engine = make_engine(model, step_loop=step_loop, **options)
     seen: list[torch.Tensor] = []
     execute = engine.runner.execute
 
@@ -75,19 +71,68 @@ def _step_logits(make_engine, model, lean: bool, **options) -> list[torch.Tensor
     prompts = [shared + p for p in random_prompts(6, 256, seed=5, lo=3, hi=30)]
     engine.generate(prompts[:2], GREEDY)              # leaves the shared prefix cached
     engine.generate(prompts, GREEDY)
-    return seen
+    return seen, engine
+
+
+def _assert_same_steps(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    assert len(ours) == len(theirs) > 10
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+OPTIONS = dict(block_size=8, max_num_batched_tokens=48, max_num_seqs=4)
 
 
 @pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("mistral-window48", torch.float32),
                                          ("qwen2", torch.float32), ("llama", torch.bfloat16)])
 def test_engine_steps_are_bit_identical_to_the_models_own_forward(make_engine, arch, dtype):
     model = tiny_model(arch).to(dtype)
-    options = dict(block_size=8, max_num_batched_tokens=48, max_num_seqs=4)
-    ours = _step_logits(make_engine, model, True, **options)
-    theirs = _step_logits(make_engine, model, False, **options)
-    assert len(ours) == len(theirs) > 10
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
+    theirs, _ = _step_logits(make_engine, model, "model", **OPTIONS)
+    lean, engine = _step_logits(make_engine, model, "lean", **OPTIONS)
+    assert engine.runner.lean is not None and engine.runner.lean.native is None
+    _assert_same_steps(lean, theirs)
+    # Decode steps in C++ wherever the projections are packed (bf16 only on CPUs with bf16 GEMMs).
+    native, engine = _step_logits(make_engine, model, "auto", **OPTIONS)
+    loop = engine.runner.lean.native
+    if dtype in packable_dtypes():
+        assert loop is not None and loop.proven and loop.enabled, engine.runner.forward_kind
+        assert "decode steps in C++" in engine.info().summary
+    else:
+        assert loop is None and "not packed" in engine.runner.forward_kind
+    _assert_same_steps(native, theirs)
+
+
+def test_the_cpp_loop_is_proven_on_its_first_step_and_dropped_if_it_differs(make_engine, monkeypatch):
+    """A C++ loop that computed anything else would be caught on its first step, not served."""
+    from jupyter_pagedkv.worker.native_decode import NativeDecode
+
+    model = tiny_model("llama")
+    theirs, _ = _step_logits(make_engine, model, "model", **OPTIONS)
+    run = NativeDecode.run
+    monkeypatch.setattr(NativeDecode, "run", lambda self, h, *a: run(self, h, *a) * (1 + 2 ** -10))
+    ours, engine = _step_logits(make_engine, model, "native", **OPTIONS)
+    loop = engine.runner.lean.native
+    assert not loop.enabled and not loop.proven
+    assert "steps in the lean loop" in engine.info().summary and "C++" not in engine.info().summary
+    _assert_same_steps(ours, theirs)
+
+
+def test_step_loop_options_that_cannot_run_say_so_in_one_line(make_engine):
+    with pytest.raises(ValueError, match="step_loop='native' cannot run this model.*use 'auto'"):
+        make_engine(tiny_model("qwen3"), step_loop="native")
+    with pytest.raises(ValueError, match="step_loop='native' cannot run this model: .*not packed"):
+        make_engine(tiny_model("llama"), step_loop="native", pack_weights=False)
+    with pytest.raises(ValueError, match="torch attention backend only"):
+        make_engine(tiny_model("llama"), step_loop="lean", attention_backend="triton")
+    engine = make_engine(tiny_model("qwen3"))           # auto: its own forward, and why
+    assert engine.runner.lean is None and "attention has parts beyond" in engine.runner.forward_kind
+
+
+def test_the_cpp_loop_builds_here():
+    """CI has a compiler: a build failure must fail loudly, not fall back unnoticed."""
+    from jupyter_pagedkv.worker.native_decode import load_extension
+
+    assert hasattr(load_extension(), "decode_layers")
 
 
 def test_held_packed_weights_serve_the_lean_loop():
@@ -108,3 +153,21 @@ def test_held_packed_weights_serve_the_lean_loop():
     assert lean is not None, why
     assert handle.groups and torch.equal(fused, apart)
     handle.release()
+
+
+def test_hooks_added_after_the_build_divert_steps_to_the_models_own_forward(make_engine):
+    """A forward hook (activation steering, capture) is honoured: the lean loop would not see it."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 256, seed=11, lo=5, hi=20)
+    plain = [o.token_ids for o in make_engine(model, step_loop="model").generate(prompts, GREEDY)]
+    engine = make_engine(model)
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, args, out: out * 3.0)
+    try:
+        hooked = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+        assert not engine.runner.lean.usable()
+        reference = [o.token_ids for o in make_engine(model, step_loop="model").generate(prompts, GREEDY)]
+    finally:
+        handle.remove()
+    assert hooked == reference and hooked != plain          # the hook acted, through the model's forward
+    assert engine.runner.lean.usable()
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain

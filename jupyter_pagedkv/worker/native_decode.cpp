@@ -1,0 +1,86 @@
+// A decode-only engine step through Llama-shaped layers, in C++ (see native_decode.py for why).
+//
+// Every line calls the ATen op the Python lean loop (lean_forward.py) calls, with the same
+// arguments in the same order, so the results are bit for bit the lean loop's, which are the
+// model's own. Only the Python between the ops is gone. Keep the two in step: the runner proves
+// them equal on its first decode step and keeps the Python loop if they are not.
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace {
+
+// mkldnn::_linear_pointwise(x, packed_weight, bias, "none", [], ""): the packed GEMM.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x.contiguous());
+  stack.emplace_back(w);
+  stack.emplace_back(b);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// transformers' Llama RMSNorm, op for op (lean_forward._rms_norm).
+at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  auto x = h.to(at::kFloat);
+  x = x * at::rsqrt(x.pow(2).mean(-1, true) + eps);
+  return weight * x.to(h.scalar_type());
+}
+
+// Rotary embedding of x [T, heads, d] (lean_forward._rotate).
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
+}
+
+}  // namespace
+
+// h [T, hidden] after the embedding; returns h after the last layer (before the final norm).
+// Per layer i: norm weights and epsilons, packed weights and biases of q/k/v (stacked), o,
+// gate/up (stacked) and down. The caches are [layers, blocks, block_size, kv_heads, d]; `slots`
+// [T] where each token's K/V goes; `table` [T * max_blocks] the sequences' blocks, row-major;
+// `bias` [T, 1, 1, max_blocks * block_size] the 0 / -inf visibility of those slots.
+at::Tensor decode_layers(
+    at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+    const std::vector<at::Tensor>& norm1, const std::vector<double>& eps1,
+    const std::vector<at::Tensor>& norm2, const std::vector<double>& eps2,
+    const std::vector<at::Tensor>& w_qkv, const std::vector<c10::optional<at::Tensor>>& b_qkv,
+    const std::vector<at::Tensor>& w_o, const std::vector<c10::optional<at::Tensor>>& b_o,
+    const std::vector<at::Tensor>& w_gate_up, const std::vector<c10::optional<at::Tensor>>& b_gate_up,
+    const std::vector<at::Tensor>& w_down, const std::vector<c10::optional<at::Tensor>>& b_down,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+    const at::Tensor& table, const at::Tensor& bias, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    int64_t intermediate, const std::vector<double>& scaling) {
+  const int64_t tokens = h.size(0);
+  const int64_t length = table.numel() / tokens * k_cache.size(2);
+  const int64_t layers = static_cast<int64_t>(norm1.size());
+  for (int64_t i = 0; i < layers; ++i) {
+    auto x = rms_norm(h, norm1[i], eps1[i]);
+    auto qkv = packed_linear(x, w_qkv[i], b_qkv[i]).view({tokens, -1, head_dim});
+    auto qk = rotate(qkv.slice(1, 0, heads + kv_heads), cos, sin);
+    auto q = qk.slice(1, 0, heads);
+    auto k = qk.slice(1, heads);
+    auto v = qkv.slice(1, heads + kv_heads);
+    auto kc = k_cache.select(0, i), vc = v_cache.select(0, i);
+    kc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k);
+    vc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
+    // attention.paged_attention_torch's decode rows: whole blocks gathered, GQA folded.
+    auto keys = kc.index_select(0, table).view({tokens, length, kv_heads, head_dim}).transpose(1, 2);
+    auto values = vc.index_select(0, table).view({tokens, length, kv_heads, head_dim}).transpose(1, 2);
+    auto o = at::scaled_dot_product_attention(q.view({tokens, kv_heads, heads / kv_heads, head_dim}), keys,
+                                              values, bias, 0.0, false, scaling[i], false);
+    h = h + packed_linear(o.reshape({tokens, heads * head_dim}), w_o[i], b_o[i]);
+    x = rms_norm(h, norm2[i], eps2[i]);
+    auto gate_up = packed_linear(x, w_gate_up[i], b_gate_up[i]).split({intermediate, intermediate}, -1);
+    h = h + packed_linear(at::silu(gate_up[0]) * gate_up[1], w_down[i], b_down[i]);
+  }
+  return h;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layers", &decode_layers, "a decode-only step through Llama-shaped layers");
+}

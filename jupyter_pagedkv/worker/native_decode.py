@@ -1,0 +1,190 @@
+"""NativeDecode: decode-only steps of Llama-shaped layers as one C++ call (native_decode.cpp).
+
+Why: the lean loop (lean_forward.py) already calls only the ops a layer needs, but each call still
+goes through the Python interpreter, ~45 of them a layer. The C++ loop calls the very same ATen ops
+with the same arguments, so its results are bit for bit the lean loop's; what it removes is the
+Python between them. On the embedded model (2-core Xeon, bf16) that made decode steps 1.5x faster
+at batch 1 and 1.25x at batch 32 (docs/benchmarks.md, issue #21).
+
+What it serves: decode-only steps (every chunk one token, no prefill) on the torch backend, of a
+model whose every q/k/v and gate/up are packed groups and o/down packed layers, with SiLU, no
+logit soft-capping, and one sliding window for all layers if any (applied through the step's
+mask). Anything else runs the lean loop. The first step it serves runs both and compares them (`prove`): a mismatch
+turns it off for the engine, with a log line, and the lean loop's result is used.
+
+Building: `torch.utils.cpp_extension` compiles the source once per machine (~30-60 s, g++ and
+ninja) into its cache directory; later processes load it in a fraction of a second.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .attention import PagedMetadata, decode_window_bias
+from .packed_linear import PackedLinears
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_decode.cpp")
+_LOCK = threading.Lock()
+_MODULE = None
+_ERROR: str | None = None
+
+
+class NativeBuildError(RuntimeError):
+    """The C++ step loop could not be compiled or loaded here; the message says what to install."""
+
+
+def load_extension():
+    """The compiled module (built on first use, then cached by torch for every later process);
+    raises NativeBuildError with one line on why not."""
+    global _MODULE, _ERROR
+    with _LOCK:
+        if _MODULE is not None:
+            return _MODULE
+        if _ERROR is not None:
+            raise NativeBuildError(_ERROR)
+        try:
+            _MODULE = _build()
+        except Exception as err:  # noqa: BLE001  (a compiler's many failures become one line)
+            first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+            _ERROR = (f"the C++ step loop did not build ({first}): install g++ and ninja "
+                      f"(pip install ninja), or use step_loop='lean'")
+            logger.warning(_ERROR)
+            raise NativeBuildError(_ERROR) from err
+        return _MODULE
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:
+        try:     # pip's ninja lives beside this interpreter, which a venv not activated keeps off PATH
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        bindir = os.path.dirname(sys.executable)
+        if shutil.which("ninja") is None and os.path.exists(os.path.join(bindir, "ninja")):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    logger.info("building the C++ decode loop (once per machine, ~30-60 s)")
+    return load("jupyter_pagedkv_native_decode", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One decoder layer's modules, as the C++ loop takes them."""
+
+    norm1: nn.Module
+    norm2: nn.Module
+    qkv: tuple[nn.Linear, nn.Linear, nn.Linear]
+    o: nn.Linear
+    gate_up: tuple[nn.Linear, nn.Linear]
+    down: nn.Linear
+
+
+class NativeDecode:
+    """The C++ loop for one model; `serves(paged)` says whether a step may use it."""
+
+    def __init__(self, model, packed: PackedLinears, scaling: list[float], windows: list[int | None],
+                 module) -> None:
+        self.model, self.packed, self.module = model, packed, module
+        self.scaling = scaling
+        # One window shared by every layer (or none) is applied in C++ through the step's mask;
+        # layers with different windows (False here) are served only while no window cuts.
+        self.window: int | None | bool = windows[0] if len(set(windows)) == 1 else False
+        self.shortest_window = min((w for w in windows if w is not None), default=0)
+        self.layers = [_Layer(l.input_layernorm, l.post_attention_layernorm,
+                              (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), l.self_attn.o_proj,
+                              (l.mlp.gate_proj, l.mlp.up_proj), l.mlp.down_proj) for l in model.model.layers]
+        attn = model.model.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.intermediate = model.model.layers[0].mlp.gate_proj.out_features
+        self.proven = False
+        self.enabled = True
+
+    @classmethod
+    def plan(cls, model, packed: PackedLinears, scaling: list[float], windows: list[int | None],
+             softcaps: list[float | None], required: bool) -> tuple[NativeDecode | None, str]:
+        """A NativeDecode for a model the lean loop serves, or None and why. `required` raises
+        instead (step_loop='native')."""
+        problem = _problem(model, packed, softcaps)
+        module = None
+        if problem is None:
+            try:
+                module = load_extension()
+            except NativeBuildError as err:
+                problem = str(err)
+        if problem is not None:
+            if required:
+                raise ValueError(f"step_loop='native' cannot run this model: {problem}")
+            return None, problem
+        return cls(model, packed, scaling, windows, module), "the C++ decode loop"
+
+    def serves(self, paged: PagedMetadata | None, tokens: int) -> bool:
+        return (self.enabled and paged is not None and not paged.prefills and paged.num_decode == tokens
+                and paged.backend == "torch" and paged.all_slots_valid
+                and paged.decode_bias is not None and paged.decode_bias.dtype == paged.kv_cache.k.dtype
+                and (self.window is not False or paged.max_seq_len <= self.shortest_window))
+
+    def _bias(self, paged: PagedMetadata) -> torch.Tensor:
+        """The step's decode mask, with the layers' one sliding window where it cuts (as
+        attention.paged_attention_torch builds it for each layer)."""
+        if self.window in (None, False) or paged.max_seq_len <= self.window:
+            return paged.decode_bias
+        return decode_window_bias(paged, self.window, paged.decode_bias.dtype)
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paged: PagedMetadata) -> torch.Tensor:
+        """h after the last layer, as the lean loop's layers compute it."""
+        weights: dict[str, list] = {k: [] for k in ("qkv", "bqkv", "o", "bo", "gu", "bgu", "down", "bdown")}
+        for layer in self.layers:
+            for key, linears in (("qkv", layer.qkv), ("o", (layer.o,)), ("gu", layer.gate_up), ("down", (layer.down,))):
+                w, b = self.packed.packed_weight(linears)
+                weights[key].append(w)
+                weights["b" + key].append(b)
+        kv = paged.kv_cache
+        return self.module.decode_layers(
+            h, cos, sin, [l.norm1.weight for l in self.layers], [float(l.norm1.variance_epsilon) for l in self.layers],
+            [l.norm2.weight for l in self.layers], [float(l.norm2.variance_epsilon) for l in self.layers],
+            weights["qkv"], weights["bqkv"], weights["o"], weights["bo"], weights["gu"], weights["bgu"],
+            weights["down"], weights["bdown"], kv.k, kv.v, paged.slot_mapping,
+            paged.decode_block_tables.reshape(-1), self._bias(paged), self.heads, self.kv_heads, self.head_dim,
+            self.intermediate, self.scaling)
+
+    def prove(self, native: torch.Tensor, lean: torch.Tensor) -> None:
+        """The first served step: keep the C++ loop only if it gave the lean loop's very values."""
+        if torch.equal(native, lean):
+            self.proven = True
+            logger.info("the C++ decode loop matches the lean loop bit for bit: decode steps use it")
+        else:
+            self.enabled = False
+            logger.warning("the C++ decode loop differs from the lean loop on this model (max |diff| %.3g): "
+                           "the lean loop runs instead", (native.float() - lean.float()).abs().max().item())
+
+
+def _problem(model, packed: PackedLinears, softcaps: list[float | None]) -> str | None:
+    """Why the C++ loop cannot serve this model (beyond the lean loop's own checks), or None."""
+    if any(s is not None for s in softcaps):
+        return "it soft-caps attention logits"
+    if next(model.parameters()).device.type != "cpu":
+        return "it is not on the CPU"
+    for layer in model.model.layers:
+        act = layer.mlp.act_fn
+        if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+            return f"its MLP activation is {type(act).__name__}, not SiLU"
+        attn, mlp = layer.self_attn, layer.mlp
+        for linears in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                        (mlp.down_proj,)):
+            if packed.packed_weight(linears) is None:
+                return "its projections are not packed for oneDNN (packing is off, or not in this dtype)"
+    return None
