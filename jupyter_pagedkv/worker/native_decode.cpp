@@ -82,5 +82,8 @@ at::Tensor decode_layers(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers", &decode_layers, "a decode-only step through Llama-shaped layers");
+  // The step holds no Python object: let other threads (the notebook's widgets, streams, a
+  // monitor feed) run while it computes, as they do between the Python loop's ops.
+  m.def("decode_layers", &decode_layers, "a decode-only step through Llama-shaped layers",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -76,7 +76,7 @@ def _build():
         if shutil.which("ninja") is None and os.path.exists(os.path.join(bindir, "ninja")):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     logger.info("building the C++ decode loop (once per machine, ~30-60 s)")
-    return load("jupyter_pagedkv_native_decode", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+    return load("jupyter_pagedkv_native_decode", sources=[str(SOURCE)], extra_cflags=["-O2", "-ffp-contract=off"], verbose=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,3 +171,44 @@ def test_hooks_added_after_the_build_divert_steps_to_the_models_own_forward(make
     assert hooked == reference and hooked != plain          # the hook acted, through the model's forward
     assert engine.runner.lean.usable()
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain
+
+
+def test_the_cpp_loop_lets_other_threads_run_while_it_computes():
+    """A notebook's widgets and streams run beside the engine thread: the C++ step releases the GIL.
+    With the interpreter never switching threads on its own (a huge switch interval), the other
+    thread can run during the call only if the call lets go of the GIL: no timing luck involved."""
+    import sys
+    import threading
+    import time
+
+    from jupyter_pagedkv.worker.native_decode import load_extension
+
+    module, ticks, done = load_extension(), [0], threading.Event()
+    layers, t, heads, d = 64, 4, 4, 16
+    args = (torch.randn(t, 64), torch.ones(t, 1, d), torch.zeros(t, 1, d),
+            [torch.ones(64)] * layers, [1e-6] * layers, [torch.ones(64)] * layers, [1e-6] * layers,
+            [torch.ops.mkldnn._reorder_linear_weight(torch.randn(3 * heads * d, 64) * 0.01)] * layers, [None] * layers,
+            [torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, heads * d) * 0.01)] * layers, [None] * layers,
+            [torch.ops.mkldnn._reorder_linear_weight(torch.randn(256, 64) * 0.01)] * layers, [None] * layers,
+            [torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 128) * 0.01)] * layers, [None] * layers,
+            torch.zeros(layers, t, 4, heads, d), torch.zeros(layers, t, 4, heads, d), torch.arange(t), torch.arange(t),
+            torch.zeros(t, 1, 1, 4), heads, heads, d, 128, [0.25] * layers)
+
+    def spin():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0)             # hands the GIL back, so the main thread can resume
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    thread = threading.Thread(target=spin)
+    try:
+        thread.start()
+        before = ticks[0]
+        module.decode_layers(*args)
+        during = ticks[0] - before
+    finally:
+        done.set()
+        sys.setswitchinterval(interval)
+        thread.join()
+    assert during >= 20       # ~300 here; a call that kept the GIL lets one stray tick through at most
