@@ -27,6 +27,9 @@ $(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextensi
 	@# copies the fresh build where JupyterLab finds it.
 	rm -rf jupyter_pagedkv/labextension
 	$(BIN)/pip install -q -e .
+	@# The C++ decode loop compiles once per machine (~45 s): here, rather than in the first cell
+	@# that loads a model. Without g++ the engine runs its Python loop instead, so this may fail.
+	-$(BIN)/python -c "from jupyter_pagedkv.worker.native_decode import load_extension; load_extension()"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
