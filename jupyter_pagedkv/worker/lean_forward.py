@@ -60,22 +60,24 @@ class LeanForward:
         self.head_dim = self.layers[0].self_attn.head_dim
         self.probe_calls: list[dict] | None = None    # set while proving: the model's own calls
         self.native: NativeDecode | None = None        # decode-only steps in C++, where planned
-        # What the model's own forward would honour and this loop would not see: hooks, and a
-        # forward replaced on an instance after the probe (the packed layers' own is recorded).
-        self._watched = [(m, m.__dict__.get("forward")) for m in model.modules()]
+        # What the model's own forward would honour and this loop would not see: hooks, a forward
+        # replaced on an instance after the probe (the packed layers' own is recorded), and a
+        # module swapped for another (an adapter injected around a projection, say).
+        self._watched = [(m, m.__dict__.get("forward"), dict(m._modules)) for m in model.modules()]
         self._diverted = False
 
     def usable(self) -> bool:
-        """False while a module has forward hooks or a replaced forward: the model's own forward
-        runs those steps (checked every step, ~0.1 ms for a 30-layer model)."""
+        """False while a module has forward hooks, a replaced forward, or the module tree differs
+        from the one proven: the model's own forward runs those steps (checked every step, ~0.2
+        ms for a 30-layer model)."""
         from torch.nn.modules import module as nn_module
 
         plain = not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) and all(
             not m._forward_hooks and not m._forward_pre_hooks and m.__dict__.get("forward") is f
-            for m, f in self._watched)
+            and m._modules == children for m, f, children in self._watched)
         if plain == self._diverted:
             self._diverted = not plain
-            logger.info("the model %s: engine steps run %s", "has forward hooks or a replaced forward" if
+            logger.info("the model %s: engine steps run %s", "has hooks, a replaced forward or module" if
                         self._diverted else "is plain again", "its own forward" if self._diverted else "the lean loop")
         return plain
 

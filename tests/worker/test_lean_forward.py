@@ -170,6 +170,7 @@ def test_hooks_added_after_the_build_divert_steps_to_the_models_own_forward(make
         handle.remove()
     assert hooked == reference and hooked != plain          # the hook acted, through the model's forward
     assert engine.runner.lean.usable()
+    engine.reset_prefix_cache()       # its cached prompt blocks were computed by the hooked model
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain
 
 
@@ -212,3 +213,34 @@ def test_the_cpp_loop_lets_other_threads_run_while_it_computes():
         sys.setswitchinterval(interval)
         thread.join()
     assert during >= 20       # ~300 here; a call that kept the GIL lets one stray tick through at most
+
+
+def test_a_module_swapped_after_the_build_diverts_steps_to_the_models_own_forward(make_engine):
+    """An adapter wrapped around a projection after the engine was built (as adapter libraries
+    inject theirs) is computed: neither loop would know it is there."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 256, seed=13, lo=5, hi=20)
+    plain = [o.token_ids for o in make_engine(model, step_loop="model").generate(prompts, GREEDY)]
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 3.0
+
+    engine = make_engine(model)
+    attn = model.model.layers[0].self_attn
+    original = attn.o_proj
+    attn.o_proj = Scaled(original)
+    try:
+        swapped = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+        assert not engine.runner.lean.usable()
+        reference = [o.token_ids for o in make_engine(model, step_loop="model").generate(prompts, GREEDY)]
+    finally:
+        attn.o_proj = original
+    assert swapped == reference and swapped != plain
+    assert engine.runner.lean.usable()
+    engine.reset_prefix_cache()       # its cached prompt blocks were computed by the changed model
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain
