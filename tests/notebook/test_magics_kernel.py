@@ -197,19 +197,31 @@ def test_a_subscribed_monitor_gets_snapshots_while_a_cell_generates(kernel):
                                                        "target_name": "jupyter_pagedkv.monitor"}))
     kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id,
                                                       "data": {"request": "subscribe", "interval_ms": 200}}))
-    msg_id = kc.execute("%%generate --max-tokens 16\nCount from one to twenty.")
-    running_seen = 0
+    # A request far longer than three intervals (a long story runs for hundreds of tokens, seconds
+    # on any CPU); once three snapshots showed it running, the test interrupts the cell as the
+    # front end would.
+    msg_id = kc.execute("%%generate --max-tokens 2000\nWrite a long story about a lighthouse keeper.")
+    running_seen, seen_at_idle, interrupted = 0, None, False
     while True:
         msg = kc.get_iopub_msg(timeout=60)
         content = msg["content"]
         if msg["msg_type"] == "comm_msg" and content["comm_id"] == comm_id:
             if content["data"].get("response") == "snapshot" and content["data"]["stats"]["num_running"]:
                 running_seen += 1
+                if running_seen == 3 and not interrupted:
+                    kernel.km.interrupt_kernel()
+                    interrupted = True
         if (msg["msg_type"] == "status" and content["execution_state"] == "idle"
                 and msg["parent_header"].get("msg_id") == msg_id):
+            seen_at_idle = running_seen
             break
     kc.shell_channel.send(kc.session.msg("comm_close", {"comm_id": comm_id, "data": {}}))
-    assert running_seen >= 3      # pushed from a kernel thread while the cell held the main thread
+    # Pushed from a kernel thread while the cell held the main thread, before the cell ended.
+    assert interrupted and seen_at_idle >= 3
+    after = kernel.execute("from jupyter_pagedkv.notebook.session import current\n"
+                           "current().engine.check_invariants()\n"
+                           "print('live', len(current().engine.live_requests()))")
+    assert not errors(after) and text_of(after).strip() == "live 0", text_of(after)
 
 
 def test_monitor_magic_shows_the_widget_with_a_deterministic_text_repr(kernel):
