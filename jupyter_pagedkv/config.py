@@ -97,10 +97,6 @@ class EngineConfig:
         "auto", "how CPU steps run a Llama-shaped model: auto = decode steps in C++ and the rest in "
                 "the lean Python loop where each is proven exact, else the model's own forward; native "
                 "and lean insist; model = always the model's own forward", choices=("auto", "native", "lean", "model"))
-    decode_attention: str = option(
-        "auto", "how CPU decode rows attend: auto = a C++ kernel reading each sequence's blocks in place "
-                "where it builds, else SDPA over gathered blocks; native insists; torch = always SDPA",
-        choices=("auto", "native", "torch"))
     pad_decode: bool = option(False, "pad decode-only steps to bucket sizes in static buffers (what "
                                      "CUDA graphs replay; implied by --cuda-graphs)", flag="--pad-decode")
     cuda_graphs: bool = option(False, "capture decode steps as CUDA graphs (CUDA only; off until a GPU "

@@ -9,7 +9,6 @@ in `kernels/` and this torch path are both checked against `kernels/reference.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +63,6 @@ class PagedMetadata:
     max_seq_len: int = 0
     backend: str = "torch"
     all_slots_valid: bool = False     # no -1 in slot_mapping (the runner checks once per step)
-    # The C++ paged decode attention (decode_attention.cpp), where the engine runs its C++ decode
-    # loop: decode rows then read their blocks in place instead of a padded gathered copy.
-    decode_kernel: Callable | None = None
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -134,10 +130,7 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     gqa = heads != kvh
     out = torch.empty_like(query)
     nd = meta.num_decode
-    if nd and meta.decode_kernel is not None and softcap is None:
-        out[:nd] = meta.decode_kernel(query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.seq_lens,
-                                      scale, sliding_window or 0)
-    elif nd:
+    if nd:
         bt = meta.decode_block_tables
         length = bt.shape[1] * bs
         # index_select copies whole blocks (~4x faster than advanced indexing on the CPU).
