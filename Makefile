@@ -27,9 +27,11 @@ $(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextensi
 	@# copies the fresh build where JupyterLab finds it.
 	rm -rf jupyter_pagedkv/labextension
 	$(BIN)/pip install -q -e .
-	@# The C++ decode loop compiles once per machine (~45 s): here, rather than in the first cell
-	@# that loads a model. Without g++ the engine runs its Python loop instead, so this may fail.
+	@# The C++ decode loop and prefill attention kernel compile once per machine (~45 s each): here,
+	@# rather than in the first cell that loads a model. Without g++ the engine runs its Python loop
+	@# and torch's SDPA instead, so these may fail.
 	-$(BIN)/python -c "from jupyter_pagedkv.worker.native_decode import load_extension; load_extension()"
+	-$(BIN)/python -c "from jupyter_pagedkv.worker.prefill_attention import load_kernel; load_kernel()"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base

@@ -97,6 +97,10 @@ class EngineConfig:
         "auto", "how CPU steps run a Llama-shaped model: auto = decode steps in C++ and the rest in "
                 "the lean Python loop where each is proven exact, else the model's own forward; native "
                 "and lean insist; model = always the model's own forward", choices=("auto", "native", "lean", "model"))
+    prefill_attention: str = option(
+        "auto", "attention of prefill chunks on the CPU: auto = the C++ kernel where the CPU has AVX-512 "
+                "(bf16: AVX-512 BF16), else torch's SDPA; native insists; torch = always SDPA",
+        choices=("auto", "native", "torch"))
     pad_decode: bool = option(False, "pad decode-only steps to bucket sizes in static buffers (what "
                                      "CUDA graphs replay; implied by --cuda-graphs)", flag="--pad-decode")
     cuda_graphs: bool = option(False, "capture decode steps as CUDA graphs (CUDA only; off until a GPU "

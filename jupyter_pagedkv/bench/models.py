@@ -39,6 +39,7 @@ def tiny_model(arch: str, vocab: int = 256, seed: int = 0):
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    gqa64 = {**common, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64}
     builders = {
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common)),
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32)),
@@ -47,6 +48,10 @@ def tiny_model(arch: str, vocab: int = 256, seed: int = 0):
         # a window long prompts cross many times (not in TINY_ARCHS: a variant, not a family)
         "mistral-window48": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=48)),
         "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**{**common, "num_key_value_heads": 4})),
+        # SmolLM2's attention shape (heads of 64, 3 query heads per KV head), the one the C++
+        # prefill kernel serves, with and without a window
+        "llama-gqa64": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**gqa64)),
+        "mistral-window48-gqa64": lambda: tf.MistralForCausalLM(tf.MistralConfig(**gqa64, sliding_window=48)),
     }
     if arch not in builders:
         raise ValueError(f"unknown tiny architecture {arch!r}: one of {sorted(builders)}")

@@ -91,6 +91,7 @@ class EngineInspection:
                    f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
                    + _step_loop(self.runner.lean)
+                   + (f", {self.runner.prefill_kind}" if self.device.type == "cpu" else "")
                    + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
                       if self.dtype_reason.startswith("auto: ") else ""))
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import prefill_attention
 from .kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "jupyter_pagedkv"
@@ -63,6 +64,7 @@ class PagedMetadata:
     max_seq_len: int = 0
     backend: str = "torch"
     all_slots_valid: bool = False     # no -1 in slot_mapping (the runner checks once per step)
+    prefill_kernel: object | None = None   # the C++ prefill attention module, where it serves (prefill_attention.py)
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -130,6 +132,7 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     gqa = heads != kvh
     out = torch.empty_like(query)
     nd = meta.num_decode
+    kernel = meta.prefill_kernel if softcap is None else None
     if nd:
         bt = meta.decode_block_tables
         length = bt.shape[1] * bs
@@ -151,6 +154,9 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         else:
             own_k = k_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
             own_v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+        if kernel is not None:
+            out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, window)
+            continue
         if window is None and ctx == n:
             # The chunk starts the sequence: its own keys are the whole context.
             o = attend(q, own_k.transpose(0, 1).unsqueeze(0), own_v.transpose(0, 1).unsqueeze(0), scale,
@@ -177,6 +183,25 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             o = attend(q, k, v, scale, attn_mask=mask, enable_gqa=gqa, softcap=softcap)
         out[s:s + n] = o[0].transpose(0, 1)
     return out
+
+
+def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """A prefill chunk through the C++ kernel: its own keys causally, then (if the chunk follows a
+    prefix) the prefix's keys read where they lie, the two parts merged by their log-sum-exps.
+    Under a sliding window only the prefix blocks some query of the chunk can see are read."""
+    n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
+    start = ctx - n
+    o, lse = prefill_attention.attend(kernel, q, own_k, own_v, scale, 0, window)
+    first_visible = 0 if window is None else max(0, start - window + 1)
+    if start == 0 or first_visible >= start:
+        return o
+    lo = first_visible // bs * bs
+    hi = -(-start // bs)
+    pk = chunk.keys(k_cache, lo // bs, hi)[:start - lo]
+    pv = chunk.keys(v_cache, lo // bs, hi)[:start - lo]
+    o1, lse1 = prefill_attention.attend(kernel, q, pk, pv, scale, start - lo, window)
+    return prefill_attention.merge(o1, lse1, o, lse)
 
 
 # The kernel F.scaled_dot_product_attention runs on a CPU, called directly because it also returns

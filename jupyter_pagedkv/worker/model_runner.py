@@ -9,6 +9,7 @@ import torch
 from ..core.scheduler import ScheduledChunk
 from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additive_mask
 from . import lean_forward
+from . import prefill_attention as prefill_kernel
 from .kv_cache import KVCache
 from .lean_forward import LeanForward
 from .native_decode import NativeDecode
@@ -25,7 +26,7 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch",
                  pack_weights: bool = False, padded: PaddedDecode | None = None,
-                 hold_weights: bool = False, step_loop: str = "auto") -> None:
+                 hold_weights: bool = False, step_loop: str = "auto", prefill_attention: str = "auto") -> None:
         self.model = model
         self.padded = padded          # decode-only steps in bucket shapes (CUDA graphs on a GPU)
         self.kv_cache = kv_cache
@@ -43,6 +44,9 @@ class ModelRunner:
         self.lean: LeanForward | None = None
         self.forward_kind = "the model's own forward"
         self._plan_step_loop(step_loop)
+        spec = kv_cache.spec
+        self.prefill_kernel, self.prefill_kind = prefill_kernel.plan(prefill_attention, device, backend,
+                                                                     spec.dtype, spec.head_dim)
 
     def _plan_step_loop(self, step_loop: str) -> None:
         """Steps through one plain loop over the model's modules where that is proven exact
@@ -141,6 +145,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             backend=self.backend,
             all_slots_valid=bool((slot_mapping >= 0).all()),
+            prefill_kernel=self.prefill_kernel,
         )
         if decodes:
             nd = len(decodes)

@@ -18,10 +18,6 @@ ninja) into its cache directory; later processes load it in a fraction of a seco
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,68 +25,20 @@ import torch
 from torch import nn
 
 from .attention import PagedMetadata, decode_window_bias
+from .native_build import LazyModule, NativeBuildError
 from .packed_linear import PackedLinears
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_decode.cpp")
-_LOCK = threading.Lock()
-_MODULE = None
-_ERROR: str | None = None
-
-
-class NativeBuildError(RuntimeError):
-    """The C++ step loop could not be compiled or loaded here; the message says what to install."""
+_EXTENSION = LazyModule("jupyter_pagedkv_native_decode", SOURCE, "the C++ step loop", "step_loop='lean'",
+                        ["-O2", "-ffp-contract=off"])
 
 
 def load_extension():
     """The compiled module (built on first use, then cached by torch for every later process);
     raises NativeBuildError with one line on why not."""
-    global _MODULE, _ERROR
-    with _LOCK:
-        if _MODULE is not None:
-            return _MODULE
-        if _ERROR is not None:
-            raise NativeBuildError(_ERROR)
-        try:
-            _MODULE = _build()
-        except Exception as err:  # noqa: BLE001  (a compiler's many failures become one line)
-            first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-            _ERROR = (f"the C++ step loop did not build ({first}): install g++ and ninja "
-                      f"(pip install ninja), or use step_loop='lean'")
-            logger.warning(_ERROR)
-            raise NativeBuildError(_ERROR) from err
-        return _MODULE
-
-
-def _build():
-    from torch.utils.cpp_extension import load
-
-    if shutil.which("ninja") is None:
-        try:     # pip's ninja lives beside this interpreter, which a venv not activated keeps off PATH
-            import ninja
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-        bindir = os.path.dirname(sys.executable)
-        if shutil.which("ninja") is None and os.path.exists(os.path.join(bindir, "ninja")):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    name = "jupyter_pagedkv_native_decode"
-    if not _built(name):
-        # Said where a user sees it: the first `%pagedkv load` on a machine pauses this long.
-        logger.warning("building the C++ decode loop: once per machine, ~45 s")
-    return load(name, sources=[str(SOURCE)], extra_cflags=["-O2", "-ffp-contract=off"], verbose=False)
-
-
-def _built(name: str) -> bool:
-    """Whether torch's extension cache already holds the module (asked through a private torch
-    helper: if a torch lacks it, the answer is only used for a warning, so say "not built")."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-        return any(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
-    except Exception:  # noqa: BLE001  (only the warning depends on it)
-        logger.debug("could not look into torch's extension cache", exc_info=True)
-        return False
+    return _EXTENSION.load()
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,8 +108,11 @@ def test_load_summary_line_states_the_kv_geometry(ip):
     assert "SmolLM2-135M-Instruct on cpu (float32)" in line
     # %pagedkv load owns its model: each weight is held once, packed (no second copy).
     assert engine.hold_weights and engine.runner.packed.extra_bytes == 0
+    kind = engine.runner.prefill_kind
     assert line.endswith("GEMMs on packed weights (each weight held once), steps in the lean loop "
-                         "(decode steps in C++)")
+                         f"(decode steps in C++), {kind}")
+    assert kind in ("prefill attention in C++ (prefill_attention.cpp)",
+                    "prefill attention by torch's SDPA (this CPU lacks AVX-512)")
 
 
 def test_status_monitor_and_requests_show_the_pool(ip, capsys):
