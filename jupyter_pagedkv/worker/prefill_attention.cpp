@@ -18,7 +18,12 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#define PKV_X86 1
 #include <immintrin.h>
+#else
+#define PKV_X86 0        // elsewhere the module builds, says it serves nothing, and torch's SDPA runs
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +34,7 @@
 
 namespace {
 
+#if PKV_X86
 #define PKV_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
 #define PKV_INLINE inline __attribute__((always_inline)) PKV_TARGET
 
@@ -349,6 +355,7 @@ void run_all(const Args& a) {
     std::vector<T>().swap(vp);
   }
 }
+#endif  // PKV_X86
 
 void check(const at::Tensor& t, const char* name, int64_t d) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.size(2) == d && t.stride(2) == 1,
@@ -358,8 +365,10 @@ void check(const at::Tensor& t, const char* name, int64_t d) {
 }  // namespace
 
 bool supports(const at::Tensor& q) {
+#if PKV_X86
   if (q.scalar_type() == at::kFloat) return has_avx512();
   if (q.scalar_type() == at::kBFloat16) return has_avx512_bf16();
+#endif
   return false;
 }
 
@@ -380,11 +389,13 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
          q.size(1), k.size(1), d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
          offset, window, static_cast<float>(scale)};
   if (a.n == 0) return {out, lse};
+#if PKV_X86
   if (q.scalar_type() == at::kFloat) {
     d == 64 ? run_all<F32, 4>(a) : run_all<F32, 8>(a);
   } else {
     d == 64 ? run_all<BF16, 4>(a) : run_all<BF16, 8>(a);
   }
+#endif
   return {out, lse};
 }
 
