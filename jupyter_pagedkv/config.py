@@ -101,6 +101,10 @@ class EngineConfig:
         "auto", "attention of prefill chunks on the CPU: auto = the C++ kernel where the CPU has AVX-512 "
                 "(bf16: AVX-512 BF16), else torch's SDPA; native insists; torch = always SDPA",
         choices=("auto", "native", "torch"))
+    decode_attention: str = option(
+        "auto", "how CPU decode rows attend: auto = a C++ kernel reading each sequence's blocks in place "
+                "where it builds, else SDPA over gathered blocks; native insists; torch = always SDPA",
+        choices=("auto", "native", "torch"))
     pad_decode: bool = option(False, "pad decode-only steps to bucket sizes in static buffers (what "
                                      "CUDA graphs replay; implied by --cuda-graphs)", flag="--pad-decode")
     cuda_graphs: bool = option(False, "capture decode steps as CUDA graphs (CUDA only; off until a GPU "

@@ -17,7 +17,8 @@ from torch import nn
 # Op names (profiler keys) per part; everything else that is an op is "other".
 GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
-                 "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention")
+                 "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention",
+                 "pagedkv::paged_decode_attention")
 KV_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_copy")
 PARTS = ("gemm", "attention", "kv", "other", "overhead")
 

@@ -97,7 +97,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         padded = PaddedDecode(model, self.kv_cache, backend, config.max_num_seqs, self.max_model_len,
                               capture=config.cuda_graphs) if pad else None
         self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights, padded,
-                                  self.hold_weights, config.step_loop, config.prefill_attention)
+                                  self.hold_weights, config.step_loop, config.prefill_attention,
+                                  config.decode_attention)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = setup.eos_token_ids(model, tokenizer)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler)

@@ -9,6 +9,7 @@ in `kernels/` and this torch path are both checked against `kernels/reference.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,9 @@ class PagedMetadata:
     backend: str = "torch"
     all_slots_valid: bool = False     # no -1 in slot_mapping (the runner checks once per step)
     prefill_kernel: object | None = None   # the C++ prefill attention module, where it serves (prefill_attention.py)
+    # The C++ paged decode attention (decode_attention.cpp) on the CPU where it builds: decode
+    # rows then read their blocks in place instead of a padded gathered copy.
+    decode_kernel: Callable | None = None
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +137,10 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     out = torch.empty_like(query)
     nd = meta.num_decode
     kernel = meta.prefill_kernel if softcap is None else None
-    if nd:
+    if nd and meta.decode_kernel is not None and softcap is None:
+        out[:nd] = meta.decode_kernel(query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.seq_lens,
+                                      scale, sliding_window or 0)
+    elif nd:
         bt = meta.decode_block_tables
         length = bt.shape[1] * bs
         # index_select copies whole blocks (~4x faster than advanced indexing on the CPU).

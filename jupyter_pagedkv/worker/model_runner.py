@@ -12,7 +12,7 @@ from . import lean_forward
 from . import prefill_attention as prefill_kernel
 from .kv_cache import KVCache
 from .lean_forward import LeanForward
-from .native_decode import NativeDecode
+from .native_decode import NativeDecode, decode_attention_kernel
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
 from .padded_decode import PaddedDecode
 from .step_timing import ForwardClock
@@ -26,7 +26,8 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch",
                  pack_weights: bool = False, padded: PaddedDecode | None = None,
-                 hold_weights: bool = False, step_loop: str = "auto", prefill_attention: str = "auto") -> None:
+                 hold_weights: bool = False, step_loop: str = "auto", prefill_attention: str = "auto",
+                 decode_attention: str = "auto") -> None:
         self.model = model
         self.padded = padded          # decode-only steps in bucket shapes (CUDA graphs on a GPU)
         self.kv_cache = kv_cache
@@ -42,6 +43,8 @@ class ModelRunner:
         if self.packed.layers:
             self._learn_packing()
         self.lean: LeanForward | None = None
+        # Given to every step, whichever loop runs it, so decode rows are attended by one code.
+        self.decode_kernel = decode_attention_kernel(decode_attention, device, backend)
         self.forward_kind = "the model's own forward"
         self._plan_step_loop(step_loop)
         spec = kv_cache.spec
@@ -73,7 +76,7 @@ class ModelRunner:
             calls = self.lean.attention
             native, why = NativeDecode.plan(self.model, self.packed, [c.scaling for c in calls],
                                             [c.window for c in calls], [c.softcap for c in calls],
-                                            required=step_loop == "native")
+                                            self.decode_kernel, required=step_loop == "native")
             self.lean.native = native
             self.forward_kind += (", decode steps in C++ (native_decode.py)" if native is not None
                                   else f"; decode steps stay in Python: {why}")
@@ -146,6 +149,7 @@ class ModelRunner:
             backend=self.backend,
             all_slots_valid=bool((slot_mapping >= 0).all()),
             prefill_kernel=self.prefill_kernel,
+            decode_kernel=self.decode_kernel,
         )
         if decodes:
             nd = len(decodes)

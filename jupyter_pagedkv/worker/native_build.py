@@ -24,7 +24,7 @@ class LazyModule:
     """A C++ module built on first `load()`; a failure is remembered, logged once and raised
     again as the same one line (what did not build, and the option that avoids it)."""
 
-    def __init__(self, name: str, source: Path, what: str, instead: str, cflags: list[str],
+    def __init__(self, name: str, source: Path | list[Path], what: str, instead: str, cflags: list[str],
                  ldflags: list[str] | None = None) -> None:
         self.name, self.source, self.what, self.instead = name, source, what, instead
         self.cflags, self.ldflags = cflags, ldflags or []
@@ -50,17 +50,20 @@ class LazyModule:
             return self._module
 
 
-def build(name: str, source: Path, what: str, cflags: list[str] | None = None, ldflags: list[str] | None = None):
-    """The compiled module `name` from `source` (built now if torch's cache lacks it; `what`
-    names it in the one-line warning a first build gives)."""
+def build(name: str, source: Path | list[Path], what: str, cflags: list[str] | None = None,
+          ldflags: list[str] | None = None):
+    """The compiled module `name` from `source` (one file or several; headers beside the first
+    are found), built now if torch's cache lacks it; `what` names it in the one-line warning a
+    first build gives."""
     from torch.utils.cpp_extension import load
 
     _find_ninja()
     if not _built(name):
         # Said where a user sees it: the first `%pagedkv load` on a machine pauses this long.
         logger.warning("building %s: once per machine, ~45 s", what)
-    return load(name, sources=[str(source)], extra_cflags=cflags or [], extra_ldflags=ldflags or [],
-                verbose=False)
+    sources = [source] if isinstance(source, Path) else list(source)
+    return load(name, sources=[str(s) for s in sources], extra_include_paths=[str(sources[0].parent)],
+                extra_cflags=cflags or [], extra_ldflags=ldflags or [], verbose=False)
 
 
 def _find_ninja() -> None:

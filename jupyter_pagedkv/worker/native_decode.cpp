@@ -7,6 +7,8 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "decode_attention.h"
+
 namespace {
 
 // mkldnn::_linear_pointwise(x, packed_weight, bias, "none", [], ""): the packed GEMM.
@@ -42,8 +44,8 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // h [T, hidden] after the embedding; returns h after the last layer (before the final norm).
 // Per layer i: norm weights and epsilons, packed weights and biases of q/k/v (stacked), o,
 // gate/up (stacked) and down. The caches are [layers, blocks, block_size, kv_heads, d]; `slots`
-// [T] where each token's K/V goes; `table` [T * max_blocks] the sequences' blocks, row-major;
-// `bias` [T, 1, 1, max_blocks * block_size] the 0 / -inf visibility of those slots.
+// [T] where each token's K/V goes; `table` [T, max_blocks] the sequences' blocks; `lens` [T]
+// their lengths after this token; `windows` each layer's sliding window (0: none).
 at::Tensor decode_layers(
     at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<at::Tensor>& norm1, const std::vector<double>& eps1,
@@ -53,10 +55,9 @@ at::Tensor decode_layers(
     const std::vector<at::Tensor>& w_gate_up, const std::vector<c10::optional<at::Tensor>>& b_gate_up,
     const std::vector<at::Tensor>& w_down, const std::vector<c10::optional<at::Tensor>>& b_down,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-    const at::Tensor& table, const at::Tensor& bias, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t intermediate, const std::vector<double>& scaling) {
+    const at::Tensor& table, const at::Tensor& lens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    int64_t intermediate, const std::vector<double>& scaling, const std::vector<int64_t>& windows) {
   const int64_t tokens = h.size(0);
-  const int64_t length = table.numel() / tokens * k_cache.size(2);
   const int64_t layers = static_cast<int64_t>(norm1.size());
   for (int64_t i = 0; i < layers; ++i) {
     auto x = rms_norm(h, norm1[i], eps1[i]);
@@ -68,11 +69,8 @@ at::Tensor decode_layers(
     auto kc = k_cache.select(0, i), vc = v_cache.select(0, i);
     kc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k);
     vc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
-    // attention.paged_attention_torch's decode rows: whole blocks gathered, GQA folded.
-    auto keys = kc.index_select(0, table).view({tokens, length, kv_heads, head_dim}).transpose(1, 2);
-    auto values = vc.index_select(0, table).view({tokens, length, kv_heads, head_dim}).transpose(1, 2);
-    auto o = at::scaled_dot_product_attention(q.view({tokens, kv_heads, heads / kv_heads, head_dim}), keys,
-                                              values, bias, 0.0, false, scaling[i], false);
+    // attention.paged_attention_torch's decode rows: the same kernel, blocks read in place.
+    auto o = paged_decode_attention(q, kc, vc, table, lens, scaling[i], windows[i]);
     h = h + packed_linear(o.reshape({tokens, heads * head_dim}), w_o[i], b_o[i]);
     x = rms_norm(h, norm2[i], eps2[i]);
     auto gate_up = packed_linear(x, w_gate_up[i], b_gate_up[i]).split({intermediate, intermediate}, -1);
@@ -85,5 +83,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The step holds no Python object: let other threads (the notebook's widgets, streams, a
   // monitor feed) run while it computes, as they do between the Python loop's ops.
   m.def("decode_layers", &decode_layers, "a decode-only step through Llama-shaped layers",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode rows attending over their own blocks in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention_isa", &paged_decode_attention_isa, "the same, one ISA variant forced (tests)",
         py::call_guard<py::gil_scoped_release>());
 }

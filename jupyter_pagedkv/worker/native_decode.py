@@ -7,9 +7,11 @@ Python between them. On the embedded model (2-core Xeon, bf16) that made decode 
 at batch 1 and 1.25x at batch 32 (docs/benchmarks.md, issue #21).
 
 What it serves: decode-only steps (every chunk one token, no prefill) on the torch backend, of a
-model whose every q/k/v and gate/up are packed groups and o/down packed layers, with SiLU, no
-logit soft-capping, and one sliding window for all layers if any (applied through the step's
-mask). Anything else runs the lean loop. The first step it serves runs both and compares them (`prove`): a mismatch
+model whose every q/k/v and gate/up are packed groups and o/down packed layers, with SiLU and no
+logit soft-capping. Anything else runs the lean loop. Its attention is decode_attention.cpp, which
+reads each sequence's blocks in place (sliding windows included); the runner hands that kernel to
+every step of the engine (PagedMetadata.decode_kernel), so decode rows are attended by the same
+code whichever loop runs them. The first step it serves runs both and compares them (`prove`): a mismatch
 turns it off for the engine, with a log line, and the lean loop's result is used.
 
 Building: `torch.utils.cpp_extension` compiles the source once per machine (~30-60 s, g++ and
@@ -24,21 +26,41 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .attention import PagedMetadata, decode_window_bias
+from .attention import PagedMetadata
 from .native_build import LazyModule, NativeBuildError
 from .packed_linear import PackedLinears
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_decode.cpp")
-_EXTENSION = LazyModule("jupyter_pagedkv_native_decode", SOURCE, "the C++ step loop", "step_loop='lean'",
-                        ["-O2", "-ffp-contract=off"])
+SOURCES = [Path(__file__).with_name(n) for n in ("native_decode.cpp", "decode_attention.cpp")]
+# -O3 vectorises the attention kernel's loops; no fused multiply-adds, so each of its ISA variants
+# rounds exactly as the others do; OpenMP, or at::parallel_for (a header template) runs on one thread.
+_EXTENSION = LazyModule("jupyter_pagedkv_native_decode", SOURCES, "the C++ step loop", "step_loop='lean'",
+                        ["-O3", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"])
 
 
 def load_extension():
     """The compiled module (built on first use, then cached by torch for every later process);
     raises NativeBuildError with one line on why not."""
     return _EXTENSION.load()
+
+
+def decode_attention_kernel(choice: str, device: torch.device, backend: str):
+    """The paged decode attention kernel for EngineConfig.decode_attention, or None for SDPA over
+    gathered blocks: the C++ kernel runs on the CPU with the torch backend, where it builds."""
+    if choice == "torch":
+        return None
+    if device.type != "cpu" or backend != "torch":
+        if choice == "native":
+            raise ValueError(f"decode_attention='native' runs on the CPU with the torch attention backend "
+                             f"only (this engine: {device.type}, {backend}): use 'auto'")
+        return None
+    try:
+        return load_extension().paged_decode_attention
+    except NativeBuildError as err:
+        if choice == "native":
+            raise ValueError(f"decode_attention='native' cannot run here: {err}") from None
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +82,7 @@ class NativeDecode:
                  module) -> None:
         self.model, self.packed, self.module = model, packed, module
         self.scaling = scaling
-        # One window shared by every layer (or none) is applied in C++ through the step's mask;
-        # layers with different windows (False here) are served only while no window cuts.
-        self.window: int | None | bool = windows[0] if len(set(windows)) == 1 else False
-        self.shortest_window = min((w for w in windows if w is not None), default=0)
+        self.windows = [w or 0 for w in windows]     # each layer's sliding window, 0 for none
         self.layers = [_Layer(l.input_layernorm, l.post_attention_layernorm,
                               (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), l.self_attn.o_proj,
                               (l.mlp.gate_proj, l.mlp.up_proj), l.mlp.down_proj) for l in model.model.layers]
@@ -77,10 +96,13 @@ class NativeDecode:
 
     @classmethod
     def plan(cls, model, packed: PackedLinears, scaling: list[float], windows: list[int | None],
-             softcaps: list[float | None], required: bool) -> tuple[NativeDecode | None, str]:
+             softcaps: list[float | None], decode_kernel, required: bool) -> tuple[NativeDecode | None, str]:
         """A NativeDecode for a model the lean loop serves, or None and why. `required` raises
-        instead (step_loop='native')."""
+        instead (step_loop='native'). `decode_kernel` is the engine's decode attention: the C++
+        loop calls that very kernel, so it runs only where the engine's other steps do too."""
         problem = _problem(model, packed, softcaps)
+        if problem is None and decode_kernel is None:
+            problem = "decode rows attend through SDPA (decode_attention='torch')"
         module = None
         if problem is None:
             try:
@@ -93,18 +115,16 @@ class NativeDecode:
             return None, problem
         return cls(model, packed, scaling, windows, module), "the C++ decode loop"
 
+    @property
+    def attention(self):
+        """The paged decode attention kernel the C++ loop calls: the runner gives it to every
+        step's metadata, so the lean loop and the model's forward attend decode rows with it too."""
+        return self.module.paged_decode_attention
+
     def serves(self, paged: PagedMetadata | None, tokens: int) -> bool:
         return (self.enabled and paged is not None and not paged.prefills and paged.num_decode == tokens
                 and paged.backend == "torch" and paged.all_slots_valid
-                and paged.decode_bias is not None and paged.decode_bias.dtype == paged.kv_cache.k.dtype
-                and (self.window is not False or paged.max_seq_len <= self.shortest_window))
-
-    def _bias(self, paged: PagedMetadata) -> torch.Tensor:
-        """The step's decode mask, with the layers' one sliding window where it cuts (as
-        attention.paged_attention_torch builds it for each layer)."""
-        if self.window in (None, False) or paged.max_seq_len <= self.window:
-            return paged.decode_bias
-        return decode_window_bias(paged, self.window, paged.decode_bias.dtype)
+                and paged.decode_kernel is self.attention and paged.decode_block_tables is not None)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paged: PagedMetadata) -> torch.Tensor:
         """h after the last layer, as the lean loop's layers compute it."""
@@ -120,8 +140,8 @@ class NativeDecode:
             [l.norm2.weight for l in self.layers], [float(l.norm2.variance_epsilon) for l in self.layers],
             weights["qkv"], weights["bqkv"], weights["o"], weights["bo"], weights["gu"], weights["bgu"],
             weights["down"], weights["bdown"], kv.k, kv.v, paged.slot_mapping,
-            paged.decode_block_tables.reshape(-1), self._bias(paged), self.heads, self.kv_heads, self.head_dim,
-            self.intermediate, self.scaling)
+            paged.decode_block_tables, paged.seq_lens, self.heads, self.kv_heads, self.head_dim,
+            self.intermediate, self.scaling, self.windows)
 
     def prove(self, native: torch.Tensor, lean: torch.Tensor) -> None:
         """The first served step: keep the C++ loop only if it gave the lean loop's very values."""
