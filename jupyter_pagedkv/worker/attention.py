@@ -208,7 +208,7 @@ def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Ten
     pk = chunk.keys(k_cache, lo // bs, hi)[:start - lo]
     pv = chunk.keys(v_cache, lo // bs, hi)[:start - lo]
     o1, lse1 = prefill_attention.attend(kernel, q, pk, pv, scale, start - lo, window)
-    return prefill_attention.merge(o1, lse1, o, lse)
+    return merge_by_lse(o1, lse1.t(), o, lse.t())       # the kernel's lse is [heads, n]
 
 
 # The kernel F.scaled_dot_product_attention runs on a CPU, called directly because it also returns
@@ -233,10 +233,18 @@ def attend_after_prefix(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch
     """
     o1, l1 = _FLASH_WITH_LSE(q, prefix_k, prefix_v, scale=scale)
     o2, l2 = _FLASH_WITH_LSE(q, own_k, own_v, is_causal=True, scale=scale)
-    share = torch.sigmoid(l1 - l2).unsqueeze(-1)          # [1, heads, n, 1]: the prefix's share
-    if q.dtype.itemsize >= 4:
-        return torch.lerp(o2, o1, share.to(q.dtype))
-    return torch.lerp(o2.float(), o1.float(), share).to(q.dtype)      # 16-bit: merged in fp32
+    return merge_by_lse(o1, l1, o2, l2)
+
+
+def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Two partial attentions of the same queries over disjoint keys, as one: `o [..., d]` with
+    each row's log-sum-exp `lse [...]`. The full softmax weighs each part by e^lse, so o = o2 +
+    sigmoid(lse1 - lse2) * (o1 - o2), in fp32 for 16-bit outputs; a part that saw no key (lse -inf)
+    gets weight 0."""
+    share = torch.sigmoid(lse1 - lse2).unsqueeze(-1)      # the first part's share of each row
+    if o1.dtype.itemsize >= 4:
+        return torch.lerp(o2, o1, share.to(o1.dtype))
+    return torch.lerp(o2.float(), o1.float(), share).to(o1.dtype)
 
 
 def _causal_mask(ctx_start: int, q_len: int, ctx_len: int) -> torch.Tensor:

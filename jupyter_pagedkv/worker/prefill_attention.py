@@ -1,4 +1,4 @@
-"""PrefillKernel: causal prefill attention on the CPU in C++ (prefill_attention.cpp).
+"""Causal prefill attention on the CPU in C++ (prefill_attention.cpp): when it serves, and its calls.
 
 Why: a long prompt's prefill is mostly attention (at 2,048 tokens about half of it in bf16, more
 at 8k), and torch's CPU flash kernel computes its scores through MKL, which on AMD CPUs runs its
@@ -74,13 +74,3 @@ def attend(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     """`q [n, heads, d]` over `k/v [L, kv_heads, d]`: query i sees key j when j <= i + offset
     (and j > i + offset - window). Returns (out [n, heads, d], lse [heads, n] float32)."""
     return module.attend(q, k, v, scale, offset, window or 0)
-
-
-def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
-    """Two partial attentions of the same queries over disjoint keys, as one: the full softmax
-    weighs each part by e^lse, so o = o2 + sigmoid(lse1 - lse2) * (o1 - o2); in fp32 for 16-bit
-    outputs. A part that saw no key (lse -inf) gets weight 0."""
-    share = torch.sigmoid(lse1 - lse2).t().unsqueeze(-1)      # [n, heads, 1]: the first part's share
-    if o1.dtype.itemsize >= 4:
-        return torch.lerp(o2, o1, share.to(o1.dtype))
-    return torch.lerp(o2.float(), o1.float(), share).to(o1.dtype)

@@ -25,6 +25,11 @@ def kernel_for(dtype):
     return module
 
 
+def assert_native_refused(dtype) -> None:
+    with pytest.raises(ValueError, match=r"^prefill_attention='native' cannot run here: .*; use 'auto' or 'torch'$"):
+        prefill_attention.plan("native", torch.device("cpu"), "torch", dtype, 64)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_kernel_matches_the_reference_at_random_shapes(seed, dtype, monkeypatch):
@@ -82,8 +87,9 @@ def reference(q, k, v, scale, offset, window):
 ])
 def test_edges_and_log_sum_exps(dtype, n, length, offset, window):
     module = kernel_for(dtype)
-    if module is None:
-        return            # kernel_for checked why; the engine-level fallback is tested below
+    if module is None:      # no kernel here: insisting on it must say so (kernel_for checked why)
+        assert_native_refused(dtype)
+        return
     g = torch.Generator().manual_seed(n + length)
     # q/k/v as the lean loop slices them out of one fused projection: strided rows
     qkv = torch.randn(max(n, length), 9 + 2 * 3, 64, generator=g).to(dtype)
@@ -101,6 +107,7 @@ def test_edges_and_log_sum_exps(dtype, n, length, offset, window):
 def test_heads_laid_out_as_the_models_forward_gives_them(dtype):
     module = kernel_for(dtype)
     if module is None:
+        assert_native_refused(dtype)
         return
     g = torch.Generator().manual_seed(3)
     # transformers' rotary output is [1, heads, T, d] contiguous: as [T, heads, d] the head stride is T * d
@@ -146,7 +153,7 @@ def test_soft_capped_logits_keep_torchs_path(monkeypatch):
 def test_merging_a_part_that_saw_nothing_keeps_the_other():
     o1, o2 = torch.full((3, 2, 4), 7.0), torch.randn(3, 2, 4)
     lse1 = torch.full((2, 3), float("-inf"))
-    assert torch.equal(prefill_attention.merge(o1, lse1, o2, torch.zeros(2, 3)), o2)
+    assert torch.equal(attention.merge_by_lse(o1, lse1.t(), o2, torch.zeros(2, 3).t()), o2)
 
 
 def test_a_kernel_that_does_not_build_is_one_line_and_auto_falls_back(tmp_path, monkeypatch):
@@ -167,3 +174,17 @@ def test_a_kernel_that_does_not_build_is_one_line_and_auto_falls_back(tmp_path, 
     assert kernel is None and why.startswith("prefill attention by torch's SDPA (the C++ prefill attention kernel did not build")
     with pytest.raises(ValueError, match="^prefill_attention='native' cannot run here: the C\\+\\+ prefill"):
         prefill_attention.plan("native", torch.device("cpu"), "torch", torch.float32, 64)
+
+
+@pytest.mark.parametrize("dtype, why", [(torch.float32, "this CPU lacks AVX-512"),
+                                        (torch.bfloat16, "this CPU lacks AVX-512 BF16")])
+def test_a_cpu_without_the_instructions_keeps_sdpa_and_says_why(monkeypatch, dtype, why):
+    class NoAvx512:     # the built module as a CPU without AVX-512 (BF16) answers
+        @staticmethod
+        def supports(q):
+            return False
+
+    monkeypatch.setattr(prefill_attention, "load_kernel", lambda: NoAvx512)
+    assert prefill_attention.plan("auto", torch.device("cpu"), "torch", dtype, 64) == (
+        None, f"prefill attention by torch's SDPA ({why})")
+    assert_native_refused(dtype)
