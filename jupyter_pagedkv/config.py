@@ -106,9 +106,11 @@ class EngineConfig:
                 "where it builds, else SDPA over gathered blocks; native insists; torch = always SDPA",
         choices=("auto", "native", "torch"))
     pad_decode: bool = option(False, "pad decode-only steps to bucket sizes in static buffers (what "
-                                     "CUDA graphs replay; implied by --cuda-graphs)", flag="--pad-decode")
-    cuda_graphs: bool = option(False, "capture decode steps as CUDA graphs (CUDA only; off until a GPU "
-                                      "run has verified it, see docs/kernels.md)", flag="--cuda-graphs")
+                                     "CUDA graphs replay; implied by CUDA graphs)", flag="--pad-decode")
+    cuda_graphs: bool | None = option(
+        None, "decode steps as CUDA graphs: on by default on CUDA with the Triton backend, each bucket "
+              "verified against the eager step at warm-up (a mismatch or capture error logs one line and "
+              "stays eager); True insists, --no-cuda-graphs turns them off", flag="--no-cuda-graphs")
 
     def __post_init__(self) -> None:
         self.validate()

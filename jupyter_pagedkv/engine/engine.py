@@ -73,7 +73,10 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         self.prefix_cache_scope = config.prefix_cache_scope
         # The contiguous baseline shares nothing, so it caches no prefix either.
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching and self.allocator == "paged")
-        pad = config.pad_decode or config.cuda_graphs
+        from ..worker.kernels_bridge import resolve_backend
+        backend = resolve_backend(self.device, None if config.attention_backend == "auto" else config.attention_backend)
+        graphs = setup.use_cuda_graphs(config.cuda_graphs, self.device, backend)
+        pad = config.pad_decode or graphs
         self.kv_cache = KVCache(self.spec, num_blocks, bs, self.device, scratch=pad)
         self.swap = setup.swap_space(config.swap_space, self.kv_cache) if self.preemption_mode == "swap" else None
         arena = ContiguousArena(self.pool) if self.allocator == "contiguous" else None
@@ -82,9 +85,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
                                    policy=config.scheduling_policy)
         self.trace: list[StepRecord] | None = None            # [] records every step's schedule
         self.step_timings: list[StepTiming] | None = None     # [] times every step's phases
-        from ..worker.kernels_bridge import resolve_backend
         from ..worker.packed_linear import should_pack
-        backend = resolve_backend(self.device, None if config.attention_backend == "auto" else config.attention_backend)
         if seen.softcap and backend == "triton":
             raise UnsupportedModelError(f"{self.name} soft-caps its attention logits, which the Triton kernels "
                                         f"do not: load it with attention_backend='torch' (--attention-backend torch)")
@@ -95,7 +96,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         keep = config.keep_plain_weights if config.keep_plain_weights is not None else not owns_model
         self.hold_weights = self.pack_weights and not keep
         padded = PaddedDecode(model, self.kv_cache, backend, config.max_num_seqs, self.max_model_len,
-                              capture=config.cuda_graphs) if pad else None
+                              capture=graphs) if pad else None
         self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights, padded,
                                   self.hold_weights, config.step_loop, config.prefill_attention,
                                   config.decode_attention)
@@ -117,6 +118,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         self._shutdown_listeners: list[Callable[[], None]] = []
         self._loop = StepLoop(self.step, self.scheduler.has_work, self._work, self._loop_died)
         self._monitor_feed = None
+        if graphs:
+            self.warm_up()      # every bucket captured and verified before the first request
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -300,8 +303,9 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         return self.outputs.output(req)
 
     def warm_up(self) -> int:
-        """Capture every decode bucket's CUDA graph now (`cuda_graphs=True`), so that no request
-        pays for a capture later; returns how many graphs were captured (0 without graphs)."""
+        """Capture every decode bucket's CUDA graph now (CUDA graphs on), each verified against the
+        eager step, so that no request pays for a capture later; returns how many graphs were
+        captured (0 without graphs, or once a mismatch turned them off)."""
         padded = self.runner.padded
         if padded is None or not padded.capture:
             return 0

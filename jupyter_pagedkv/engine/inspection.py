@@ -92,6 +92,7 @@ class EngineInspection:
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
                    + _step_loop(self.runner.lean)
                    + (f", {self.runner.prefill_kind}" if self.device.type == "cpu" else "")
+                   + _decode_steps(self.runner.padded, self.device.type, self.runner.backend)
                    + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
                       if self.dtype_reason.startswith("auto: ") else ""))
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,
@@ -137,6 +138,16 @@ def _packing_cost(packed) -> str:
     """'held once' or what the packed copies cost beside the plain weights."""
     extra = packed.extra_bytes
     return f"+{format_bytes(extra)} beside the plain weights" if extra else "each weight held once"
+
+
+def _decode_steps(padded, device: str, backend: str) -> str:
+    """Whether decode steps replay CUDA graphs, and why not where a GPU could have them."""
+    if padded is not None:
+        return f", {padded.describe()}"
+    if device != "cuda":
+        return ""
+    why = "the torch attention backend reads lengths on the host" if backend != "triton" else "cuda_graphs=False"
+    return f", decode steps eager ({why})"
 
 
 def _step_loop(lean) -> str:

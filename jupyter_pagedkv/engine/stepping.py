@@ -179,7 +179,7 @@ class Stepping:
         self.step_timings.append(StepTiming(
             len(sched.chunks), sched.num_tokens, sum(c.num_tokens == 1 for c in sched.chunks),
             started - t0, r.last_prepare_s, r.last_forward_s, r.clock.device_seconds(),
-            now - launched, t1 - now, t1 - t0))
+            now - launched, t1 - now, t1 - t0, r.last_h2d_copies))
 
     # -- failures ---------------------------------------------------------------------------------
     def _fail(self, reqs: list[Request | None], err: BaseException) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -10,6 +11,7 @@ from ..core.scheduler import ScheduledChunk
 from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additive_mask
 from . import lean_forward
 from . import prefill_attention as prefill_kernel
+from .input_staging import InputStaging
 from .kv_cache import KVCache
 from .lean_forward import LeanForward
 from .native_decode import NativeDecode, decode_attention_kernel
@@ -36,6 +38,10 @@ class ModelRunner:
         self.last_forward_s = 0.0      # host wall time of the last model call
         self.last_prepare_s = 0.0      # block copies, swaps and input building before it
         self.clock = ForwardClock(device)
+        # The Triton path's inputs reach the device in one copy a step, into buffers that persist.
+        self.staging = InputStaging(device) if backend == "triton" else None
+        self.h2d_copies = 0            # host -> device copies of step inputs (counted on the Triton path)
+        self.last_h2d_copies: int | None = None
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         # CPU GEMMs on weights packed once (see packed_linear.py); with `hold_weights` the packed
         # copies replace the plain weights (held_weights.py).
@@ -96,79 +102,77 @@ class ModelRunner:
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], dict]:
         """Order chunks decode-first and build the model inputs plus the shared PagedMetadata."""
-        bs = self.kv_cache.block_size
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
-        ordered = decodes + prefills
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_loc = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        for c in decodes:
-            table = c.seq.block_table
-            ids.append(c.seq.token_ids[c.start])
-            positions.append(c.start)
-            slots.append(table.slot(c.start))
-            q_loc.append(q_loc[-1] + 1)
-            seq_lens.append(c.start + 1)
-            tables.append(table.block_ids)
+        step = StepLayout.of(chunks, self.kv_cache.block_size)
+        if self.backend == "triton":
+            return step.ordered, self._triton_inputs(step)
+        return step.ordered, self._torch_inputs(step)
+
+    def _triton_inputs(self, step: StepLayout) -> dict:
+        """The Triton kernels read only the varlen description: every field is staged on the host
+        and reaches the device in one copy (input_staging.py); no masks, no per-chunk tensors."""
+        t, s = len(step.ids), len(step.seq_lens)
+        width = max(len(b) for b in step.tables)
+        views = self.staging.fill(
+            [("input_ids", torch.int64, (1, t)), ("position_ids", torch.int64, (1, t)),
+             ("slot_mapping", torch.int64, (t,)), ("logits_to_keep", torch.int64, (len(step.sample_rows),)),
+             ("query_start_loc", torch.int32, (s + 1,)), ("seq_lens", torch.int32, (s,)),
+             ("block_tables", torch.int32, (s, width))],
+            {"input_ids": step.ids, "position_ids": step.positions, "slot_mapping": step.slots,
+             "logits_to_keep": step.sample_rows, "query_start_loc": step.q_loc, "seq_lens": step.seq_lens,
+             "block_tables": step.tables})
+        self.h2d_copies += 1
+        meta = PagedMetadata(
+            kv_cache=self.kv_cache, slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"], block_tables=views["block_tables"], num_decode=step.num_decode,
+            max_seq_len=max(step.seq_lens), backend=self.backend)
+        return {"input_ids": views["input_ids"], "position_ids": views["position_ids"],
+                "logits_to_keep": views["logits_to_keep"], "paged": meta}
+
+    def _torch_inputs(self, step: StepLayout) -> dict:
+        """The torch path also reads pre-split decode rows (a padded batch with its masks) and one
+        `PrefillChunk` per prefill; on the CPU these tensors are built where they are used."""
+        bs, dev = self.kv_cache.block_size, self.device
         prefill_info: list[PrefillChunk] = []
-        prefill_slots: list[torch.Tensor] = []
-        for c in prefills:
-            table = c.seq.block_table
-            end = c.start + c.num_tokens
-            ids.extend(c.seq.token_ids[c.start:end])
-            pos = torch.arange(c.start, end)
-            positions.extend(range(c.start, end))
-            ids_list = table.block_ids[: -(-end // bs)]
-            block_ids = torch.tensor(ids_list, dtype=torch.long)
-            prefill_slots.append(block_ids[pos // bs] * bs + pos % bs)
-            prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device),
+        for i, (start, end) in enumerate(step.prefill_spans):
+            ids_list = step.tables[step.num_decode + i][: -(-end // bs)]
+            block_ids = torch.tensor(ids_list, dtype=torch.long, device=dev)
+            prefill_info.append(PrefillChunk(step.q_loc[step.num_decode + i], end - start, end, block_ids,
                                              _first_if_consecutive(ids_list)))
-            q_loc.append(q_loc[-1] + c.num_tokens)
-            seq_lens.append(end)
-            tables.append(table.block_ids)
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
-        if prefill_slots:
-            slot_mapping = torch.cat([slot_mapping, *prefill_slots])
+        tables = step.tables
         max_blocks = max(len(t) for t in tables)
-        padded = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
+        padded = torch.zeros(len(tables), max_blocks, dtype=torch.int32)   # host: filled row by row
         for i, t in enumerate(tables):
-            padded[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            padded[i, :len(t)] = torch.tensor(t, dtype=torch.int32)       # host: a row of the above
+        slot_mapping = torch.tensor(step.slots, dtype=torch.long)          # host: checked for -1 below
         meta = PagedMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=slot_mapping.to(self.device),
-            query_start_loc=torch.tensor(q_loc, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_tables=padded.to(self.device),
-            num_decode=len(decodes),
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=torch.tensor(step.q_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=padded.to(dev),
+            num_decode=step.num_decode,
             prefills=prefill_info,
-            max_seq_len=max(seq_lens),
+            max_seq_len=max(step.seq_lens),
             backend=self.backend,
             all_slots_valid=bool((slot_mapping >= 0).all()),
             prefill_kernel=self.prefill_kernel,
             decode_kernel=self.decode_kernel,
         )
-        if decodes:
-            nd = len(decodes)
+        nd = step.num_decode
+        if nd:
             dec_blocks = max(len(t) for t in tables[:nd])
-            meta.decode_block_tables = padded[:nd, :dec_blocks].long().to(self.device)
-            lens = torch.tensor(seq_lens[:nd]).view(nd, 1)
-            mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)
-            meta.decode_mask = mask.to(self.device)
+            meta.decode_block_tables = padded[:nd, :dec_blocks].long().to(dev)
+            lens = torch.tensor(step.seq_lens[:nd]).view(nd, 1)                   # host: mask bounds
+            mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)  # host: moved below
+            meta.decode_mask = mask.to(dev)
             # Built once per step, not per layer: an additive mask in the cache's dtype.
-            meta.decode_bias = additive_mask(mask, self.kv_cache.spec.dtype).to(self.device)
-        sample_rows = [r for i, c in enumerate(ordered) if c.samples
-                       for r in range(q_loc[i + 1] - c.num_logits, q_loc[i + 1])]
-        inputs = {
-            "input_ids": torch.tensor([ids], device=self.device),
-            "position_ids": torch.tensor([positions], device=self.device),
-            "logits_to_keep": torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            meta.decode_bias = additive_mask(mask, self.kv_cache.spec.dtype).to(dev)
+        return {
+            "input_ids": torch.tensor([step.ids], device=dev),
+            "position_ids": torch.tensor([step.positions], device=dev),
+            "logits_to_keep": torch.tensor(step.sample_rows, dtype=torch.long, device=dev),
             "paged": meta,
         }
-        return ordered, inputs
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]],
@@ -180,15 +184,18 @@ class ModelRunner:
             # Someone (a test, a peer benchmark) switched the model back to another attention.
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         t_prep = time.perf_counter()
+        copies_before = self.h2d_copies
         # Order matters: swapped-out blocks are read before anything reuses them, then
         # copy-on-write, then swapped-in blocks land in their fresh blocks.
         self.kv_cache.swap_out(list(swap_out))
         if copies and self.backend == "triton":
             from .kernels_bridge import copy_blocks_triton
             copy_blocks_triton(self.kv_cache.k, self.kv_cache.v, copies)
+            self.h2d_copies += 1               # the (src, dst) pairs
         else:
             self.kv_cache.copy_blocks(copies)
         self.kv_cache.swap_in(list(swap_in))
+        self.h2d_copies += bool(swap_in)       # the swapped blocks, staged as one tensor
         batch = self.padded.prepare(chunks) if self.padded is not None else None
         if batch is not None:
             ordered = chunks                    # decode-only: every chunk samples, in order
@@ -196,6 +203,9 @@ class ModelRunner:
             ordered, inputs = self.prepare(chunks)
         t0 = time.perf_counter()
         self.last_prepare_s = t0 - t_prep
+        if batch is not None:
+            self.h2d_copies += 1               # the bucket's staged inputs (padded_decode.py)
+        self.last_h2d_copies = self.h2d_copies - copies_before if self.backend == "triton" else None
         self.clock.start()
         with packed_gemms(self.packed):
             if batch is not None:
@@ -209,6 +219,52 @@ class ModelRunner:
         self.clock.stop()
         self.last_forward_s = time.perf_counter() - t0
         return [c for c in ordered if c.samples], logits
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """One step's flat token row as plain host lists, decode chunks first: what both attention
+    paths turn into tensors (the torch path builds its own; the Triton path stages them)."""
+
+    ordered: list[ScheduledChunk]
+    num_decode: int
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    q_loc: list[int]                       # [num_seqs + 1] query start of each chunk
+    seq_lens: list[int]                    # context length after this step
+    tables: list[list[int]]                # each chunk's block ids
+    prefill_spans: list[tuple[int, int]]   # (start, end) positions of each prefill chunk
+    sample_rows: list[int]                 # rows whose logits are kept
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], block_size: int) -> StepLayout:
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        step = cls(decodes + prefills, len(decodes), [], [], [], [0], [], [], [], [])
+        for c in decodes:
+            table = c.seq.block_table
+            step.ids.append(c.seq.token_ids[c.start])
+            step.positions.append(c.start)
+            step.slots.append(table.slot(c.start))
+            step.q_loc.append(step.q_loc[-1] + 1)
+            step.seq_lens.append(c.start + 1)
+            step.tables.append(table.block_ids)
+        for c in prefills:
+            table = c.seq.block_table
+            end = c.start + c.num_tokens
+            step.ids.extend(c.seq.token_ids[c.start:end])
+            step.positions.extend(range(c.start, end))
+            blocks = table.block_ids
+            step.slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(c.start, end))
+            step.q_loc.append(step.q_loc[-1] + c.num_tokens)
+            step.seq_lens.append(end)
+            step.tables.append(blocks)
+            step.prefill_spans.append((c.start, end))
+        q = step.q_loc
+        step.sample_rows = [r for i, c in enumerate(step.ordered) if c.samples
+                            for r in range(q[i + 1] - c.num_logits, q[i + 1])]
+        return step
 
 
 def _first_if_consecutive(block_ids: list[int]) -> int | None:

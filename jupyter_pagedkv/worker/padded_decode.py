@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ..core.scheduler import ScheduledChunk
 from .attention import PagedMetadata, additive_mask
+from .input_staging import InputStaging, layout
 from .kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -34,17 +36,26 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def static_fields(size: int, max_blocks: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The inputs of a bucket of `size` rows, in the order they are staged (input_staging.py)."""
+    return [("input_ids", torch.int64, (1, size)), ("position_ids", torch.int64, (1, size)),
+            ("slot_mapping", torch.int64, (size,)), ("seq_lens", torch.int32, (size,)),
+            ("block_tables", torch.int32, (size, max_blocks))]
+
+
 class StaticBatch:
-    """The static buffers of one bucket, and its captured graph once there is one."""
+    """The static buffers of one bucket (views of one staging buffer that never moves, uploaded in
+    one copy a step), and its captured graph once there is one."""
 
     def __init__(self, size: int, max_blocks: int, kv_cache: KVCache, backend: str, max_seq_len: int) -> None:
         dev = kv_cache.k.device
         self.size = size
-        self.input_ids = torch.zeros(1, size, dtype=torch.long, device=dev)
-        self.position_ids = torch.zeros(1, size, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.zeros(size, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=dev)
+        self.fields = static_fields(size, max_blocks)
+        self.staging = InputStaging(dev, capacity=layout(self.fields)[1])
+        views = self.staging.views(self.fields)
+        self.input_ids, self.position_ids = views["input_ids"], views["position_ids"]
+        self.slot_mapping, self.seq_lens = views["slot_mapping"], views["seq_lens"]
+        self.block_tables = views["block_tables"]
         self.meta = PagedMetadata(
             kv_cache=kv_cache, slot_mapping=self.slot_mapping,
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=dev),
@@ -76,6 +87,8 @@ class PaddedDecode:
         self.num_steps = 0                      # padded steps run (eager or replayed)
         self.num_replays = 0
         self.num_captures = 0
+        self.num_verified = 0                   # captured graphs whose replay matched the eager step
+        self.status = "decode steps padded to buckets, eager" if not capture else ""
 
     @staticmethod
     def eligible(chunks: list[ScheduledChunk]) -> bool:
@@ -93,34 +106,30 @@ class PaddedDecode:
         return batch
 
     def fill(self, chunks: list[ScheduledChunk], size: int) -> StaticBatch:
-        """Copy this step's decode rows into the bucket's buffers; padding rows point at scratch."""
+        """Stage this step's decode rows into the bucket's buffers (one copy); padding rows point
+        at the scratch block."""
         batch = self._batch(size)
         bs, pad = self.kv_cache.block_size, size - len(chunks)
         scratch = self.kv_cache.scratch_block
-        ids, positions, slots, lens = [], [], [], []
         widest = max((-(-(c.start + 1) // bs) for c in chunks), default=1)
-        flat: list[int] = []
-        for c in chunks:
+        tables = np.full((size, widest), scratch, dtype=np.int32)
+        ids, positions, slots, lens = [], [], [], []
+        for i, c in enumerate(chunks):
             table = c.seq.block_table
             ids.append(c.seq.token_ids[c.start])
             positions.append(c.start)
             slots.append(table.slot(c.start))
             lens.append(c.start + 1)
             row = table.block_ids[:widest]
-            flat.extend(row)
-            flat.extend([scratch] * (widest - len(row)))
-        flat.extend([scratch] * (pad * widest))
-        tables = torch.tensor(flat, dtype=torch.int32).view(size, widest)
-        dev = batch.input_ids.device
-        batch.input_ids[0].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        batch.position_ids[0].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        batch.slot_mapping.copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
-        batch.seq_lens.copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+            tables[i, :len(row)] = row
         # Columns beyond `widest` keep older entries: no sequence's length reaches them.
-        batch.block_tables[:, :widest].copy_(tables.to(dev, non_blocking=True))
+        batch.staging.fill(batch.fields, {
+            "input_ids": ids + [0] * pad, "position_ids": positions + [0] * pad,
+            "slot_mapping": slots + [self.scratch_slot] * pad, "seq_lens": lens + [1] * pad,
+            "block_tables": tables})
         if self.backend != "triton":
             # The torch path attends one padded batch: keys of the `widest` blocks, masked by length.
-            meta = batch.meta
+            meta, dev = batch.meta, batch.input_ids.device
             meta.decode_block_tables = batch.block_tables[:, :widest].long()
             visible = (torch.arange(widest * bs, device=dev).view(1, -1) < batch.seq_lens.view(-1, 1).long())
             meta.decode_mask = visible.view(size, 1, 1, -1)
@@ -140,11 +149,11 @@ class PaddedDecode:
 
     def run(self, batch: StaticBatch, n: int) -> torch.Tensor:
         """The logits of the first `n` rows, `[n, vocab]`, from a padded forward (replayed from
-        its graph when one is captured)."""
+        its graph when one is captured and verified)."""
         self.num_steps += 1
+        if self.capture and batch.graph is None:
+            self._capture_verified(batch)
         if self.capture:
-            if batch.graph is None:
-                self._capture(batch)
             batch.graph.replay()
             self.num_replays += 1
             logits = batch.logits
@@ -154,14 +163,34 @@ class PaddedDecode:
 
     def capture_all(self) -> int:
         """Capture every bucket's graph now (all rows padding), largest first so the smaller
-        graphs reuse the memory pool; returns how many were captured."""
+        graphs reuse the memory pool, each verified against the eager step; returns how many
+        were captured (0 once a failure has turned graphs off)."""
         before = self.num_captures
-        if self.capture:
-            for size in sorted(self.buckets, reverse=True):
-                batch = self.fill([], size)
-                if batch.graph is None:
-                    self._capture(batch)
-        return self.num_captures - before
+        for size in sorted(self.buckets, reverse=True):
+            if not self.capture:
+                break
+            batch = self.fill([], size)
+            if batch.graph is None:
+                self._capture_verified(batch)
+        return self.num_captures - before if self.capture else 0
+
+    def _capture_verified(self, batch: StaticBatch) -> None:
+        """Capture the bucket, replay it once and compare its logits with the eager step's on the
+        same inputs; on a capture error or a mismatch, log one line and run eagerly from now on."""
+        try:
+            eager = self._forward(batch).float().clone()
+            self._capture(batch)
+            batch.graph.replay()
+            why = logits_mismatch(batch.logits.float(), eager)
+        except Exception as err:       # any capture failure: the step still runs, eagerly
+            why = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        if why is None:
+            self.num_verified += 1
+            return
+        self.capture = False
+        self.status = f"decode steps eager: the CUDA graph of {batch.size} rows {why}"
+        logger.warning("CUDA graphs off: the graph of %d rows %s; decode steps run eagerly", batch.size, why)
+        self.release()
 
     def _capture(self, batch: StaticBatch) -> None:
         """Warm up on a side stream (kernel compiles, allocator), then capture one forward."""
@@ -180,6 +209,27 @@ class PaddedDecode:
         self.num_captures += 1
         logger.info("captured the decode step for %d rows as a CUDA graph", batch.size)
 
+    def describe(self) -> str:
+        """What `info()` says of decode steps: graphs on (and how many verified) or why not."""
+        if self.capture:
+            return f"decode steps as CUDA graphs ({self.num_verified} of {len(self.buckets)} buckets captured and verified)"
+        return self.status
+
     def release(self) -> None:
         self._batches.clear()
         self._pool = None
+
+
+def logits_mismatch(replayed: torch.Tensor, eager: torch.Tensor) -> str | None:
+    """None when a replay's logits match the eager step's: the same argmax in every row and values
+    within 1e-3 of the largest logit (the same kernels replayed; only a library that picks another
+    algorithm under capture may move the last bits). Otherwise what differs, in a few words."""
+    if replayed.shape != eager.shape:
+        return f"replayed logits of shape {tuple(replayed.shape)}, not {tuple(eager.shape)}"
+    if not bool(torch.isfinite(replayed).all()):
+        return "replayed non-finite logits"
+    diff = float((replayed - eager).abs().max())
+    scale = max(1.0, float(eager.abs().max()))
+    if diff > 1e-3 * scale or not torch.equal(replayed.argmax(-1), eager.argmax(-1)):
+        return f"replayed logits {diff:.3g} away from the eager step's (largest {scale:.3g})"
+    return None

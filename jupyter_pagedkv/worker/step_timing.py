@@ -25,6 +25,7 @@ class StepTiming:
     wait_s: float               # host waiting for the device after launching (CUDA only)
     sample_s: float             # sampling, appending tokens, stop rules, outputs
     total_s: float
+    h2d_copies: int | None = None   # host -> device copies of step inputs (Triton path; None: not counted)
 
 
 class ForwardClock:
@@ -63,6 +64,9 @@ def summarize(timings: list[StepTiming], min_decode: int = 1) -> dict:
            for k in ("schedule_s", "prepare_s", "launch_s", "wait_s", "sample_s", "total_s")}
     device = [t.device_s for t in steps if t.device_s is not None]
     out = {"steps": len(steps), "median_batch": statistics.median(t.num_seqs for t in steps), **med}
+    copies = [t.h2d_copies for t in steps if t.h2d_copies is not None]
+    if copies:
+        out["h2d_copies"] = statistics.median(copies)
     if device:
         out["device_s"] = statistics.median(device)
         # The step's host-only share: everything but the time the device spent on the forward.

@@ -127,3 +127,75 @@ def test_cuda_graphs_for_a_model_on_the_cpu_is_one_clear_error():
     from jupyter_pagedkv import Engine
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         Engine(MODEL, kv_cache_memory="8MiB", cuda_graphs=True)
+
+
+class FakeGraph:
+    """Stands in for a captured CUDA graph on the CPU: replay writes what `produce` returns."""
+
+    def __init__(self, batch, produce) -> None:
+        self.batch, self.produce = batch, produce
+
+    def replay(self) -> None:
+        self.batch.logits.copy_(self.produce(self.batch))
+
+
+def graphs_with(make_engine, monkeypatch, skew: float):
+    """An engine whose graphs are fakes replaying the eager logits plus `skew` (0: faithful)."""
+    from jupyter_pagedkv.worker.padded_decode import PaddedDecode
+
+    def capture(self, batch):
+        batch.logits = self._forward(batch).clone()
+        batch.graph = FakeGraph(batch, lambda b: self._forward(b) + skew)
+        self.num_captures += 1
+
+    monkeypatch.setattr(PaddedDecode, "_capture", capture)
+    engine = make_engine(MODEL, block_size=4, pad_decode=True, max_num_seqs=8)
+    engine.runner.padded.capture = True          # what cuda_graphs does on a GPU
+    return engine
+
+
+def test_verified_graphs_replay_and_info_says_so(make_engine, monkeypatch):
+    engine = graphs_with(make_engine, monkeypatch, skew=0.0)
+    assert engine.warm_up() == len(engine.runner.padded.buckets) == 4
+    assert "decode steps as CUDA graphs (4 of 4 buckets captured and verified)" in engine.info().summary
+    prompts = random_prompts(3, 256, seed=31, lo=2, hi=20)
+    for p, o in zip(prompts, engine.generate(prompts, GREEDY)):
+        assert_same_or_near_tie(MODEL, p, o.token_ids, hf_greedy(MODEL, p, 20, stop_at_eos=False))
+    assert engine.runner.padded.num_replays >= 19
+
+
+def test_a_graph_that_replays_other_logits_turns_graphs_off_with_one_line(make_engine, monkeypatch, caplog):
+    engine = graphs_with(make_engine, monkeypatch, skew=0.5)
+    with caplog.at_level("WARNING"):
+        assert engine.warm_up() == 0
+    padded = engine.runner.padded
+    assert not padded.capture and padded.num_verified == 0
+    lines = [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "away from the eager step" in lines[0]
+    assert "decode steps eager: the CUDA graph of 8 rows replayed logits" in engine.info().summary
+    prompts = random_prompts(2, 256, seed=32, lo=2, hi=20)    # still exact, eagerly
+    for p, o in zip(prompts, engine.generate(prompts, GREEDY)):
+        assert_same_or_near_tie(MODEL, p, o.token_ids, hf_greedy(MODEL, p, 20, stop_at_eos=False))
+    assert padded.num_replays == 0
+
+
+def test_a_capture_error_turns_graphs_off(make_engine, monkeypatch):
+    from jupyter_pagedkv.worker.padded_decode import PaddedDecode
+
+    def broken(self, batch):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(PaddedDecode, "_capture", broken)
+    engine = make_engine(MODEL, block_size=4, pad_decode=True, max_num_seqs=8)
+    engine.runner.padded.capture = True
+    assert engine.warm_up() == 0
+    assert engine.info().summary.count("capture failed (RuntimeError: operation not permitted when "
+                                       "stream is capturing)") == 1
+
+
+def test_cuda_graphs_default_on_only_where_they_can_run():
+    from jupyter_pagedkv.engine.setup import use_cuda_graphs
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_cuda_graphs(None, cuda, "triton") and not use_cuda_graphs(None, cuda, "torch")
+    assert not use_cuda_graphs(None, cpu, "torch") and not use_cuda_graphs(False, cuda, "triton")
+    assert use_cuda_graphs(True, cpu, "torch")     # insisting reaches PaddedDecode's one-line refusal
