@@ -70,8 +70,8 @@ PARTS: tuple[Part, ...] = (
     Part("e2e", "One end-to-end point: CUDA graphs off and on", 40, 300),
     Part("kernel_bench", "Decode kernel: paged vs contiguous SDPA, share of copy bandwidth", 40, 120, quick=False),
     Part("graphs", "Decode steps as CUDA graphs: replay vs eager, speed-up, host share", 50, 300, quick=False),
-    Part("throughput_small", "End to end, SmolLM2-135M shape: ours vs transformers", 50, 300, quick=False),
-    Part("throughput_large", "End to end, Llama-3-8B shape: ours vs transformers", 70, 300, quick=False),
+    Part("throughput_small", "End to end, SmolLM2-135M shape: ours vs transformers", 50, 480, quick=False),
+    Part("throughput_large", "End to end, Llama-3-8B shape: ours vs transformers", 70, 480, quick=False),
     Part("architectures", "The architecture matrix's exact models on the device (Triton backend)", 30, 240,
          quick=False),
 )
