@@ -185,7 +185,7 @@ class Driver:
                     self.outcomes[part.name] = Outcome(f"driver error: {type(err).__name__}: {err}", 0.0, limit)
                 self.running = None
                 self.write_report()
-        return self.write_report()
+        return self.write_report(done=True)
 
     def run_part(self, part: Part, limit_s: float, log) -> Outcome:
         header = f"\n===== {part.name}: {part.title} (slice {limit_s:.0f} s)\n"
@@ -253,7 +253,7 @@ class Driver:
             log.write(text)
             log.flush()
 
-    def write_report(self) -> dict:
+    def write_report(self, done: bool = False) -> dict:
         found = fold(self.events, {p.name: self.out / p.name for p in self.parts})
         parts = {}
         for p in self.parts:
@@ -268,7 +268,7 @@ class Driver:
             parts[p.name] = {"title": p.title, "status": status, "seconds": seconds,
                              "slice_s": o.limit_s if o else self.slice_of(p), "summary": f["summary"],
                              "facts": f["facts"], "rows": f["rows"], "files": f["files"]}
-        report = {"mode": self.mode, "smoke": self.smoke, "started": self.started,
+        report = {"mode": self.mode, "smoke": self.smoke, "started": self.started, "done": done,
                   "seconds": round(time.perf_counter() - self.t0, 1), "budget_s": self.budget,
                   "plan": [{"name": p.name, "slice_s": self.slice_of(p)} for p in self.parts], "parts": parts}
         _write_atomic(self.out / "report.json", json.dumps(report, indent=1, default=str))
@@ -280,7 +280,8 @@ def render(report: dict) -> str:
     """The markdown report: every part's status and its own summary lines."""
     smoke = report["smoke"]
     lines = [f"# GPU check report ({report['mode']}{', CPU rehearsal, smoke sizes' if smoke else ''})", "",
-             f"started {report['started']}, {report['seconds']:.0f} s so far; command: "
+             f"started {report['started']}, {report['seconds']:.0f} s {'in all' if report['done'] else 'so far'}; "
+             f"command: "
              f"`python3 -m jupyter_pagedkv.bench gpu --{report['mode']}{' --smoke' if smoke else ''}`", "",
              "| part | status | seconds | slice | rows |", "|---|---|---:|---:|---|"]
     for name, r in report["parts"].items():

@@ -20,7 +20,9 @@ def standin(name: str, slice_s: float = SLICE_S) -> Part:
 
 def run(tmp_path: Path, names: list[str], slice_s: float = SLICE_S) -> tuple[int, dict]:
     code = gpu.main(["--out", str(tmp_path)], parts=[standin(n, slice_s) for n in names])
-    return code, json.loads((tmp_path / "report.json").read_text())["parts"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["done"] and list(report["parts"]) == names
+    return code, report["parts"]
 
 
 def test_a_hanging_part_is_cut_at_its_slice_and_keeps_its_rows(tmp_path):
