@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -39,6 +40,7 @@ from typing import Sequence
 from .gpu_report import EVENTS_FILE, PASS, fold
 
 REPO = Path(__file__).resolve().parents[2]
+logger = logging.getLogger(__name__)
 
 QUICK_BUDGET_S = 240.0
 FULL_BUDGET_S = 480.0
@@ -182,6 +184,7 @@ class Driver:
                 try:
                     self.outcomes[part.name] = self.run_part(part, limit, log)
                 except Exception as err:     # the driver's own trouble costs this part, never the rest
+                    logger.exception("the GPU check's driver failed on part %s", part.name)
                     self.outcomes[part.name] = Outcome(f"driver error: {type(err).__name__}: {err}", 0.0, limit)
                 self.running = None
                 self.write_report()

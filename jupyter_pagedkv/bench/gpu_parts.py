@@ -83,7 +83,8 @@ def device_arch() -> str:
 
 def compile_kernels(report: Report, smoke: bool) -> None:
     """Every kernel variant compiled by Triton's own compiler (ptxas) for the device's architecture,
-    through `kernels/compile_check.py`; its rows land in `compile/compile.jsonl` one by one."""
+    through the kernels package's `compile_check` module; its rows land in `compile/compile.jsonl`
+    one by one."""
     from jupyter_pagedkv.worker.kernels_bridge import KERNELS_PACKAGE, kernel_module
 
     arch = device_arch()
