@@ -1,7 +1,7 @@
 # The GPU check (included from the main Makefile).
 #   make gpu-check      on the lent GPU machine, from the repository root, with its own python3
 #                       and packages (nothing installed): the report goes to $OUT or build/gpu-check.
-#   make gpu-rehearsal  here, on the CPU: the same command at smoke sizes, Triton in its interpreter,
+#   make gpu-rehearsal  here, on the CPU: every part (--full) at smoke sizes, Triton in its interpreter,
 #                       in .venv-gpu, a venv shaped like the GPU image (mk/gpu-image.txt).
 
 GPU_MK := $(lastword $(MAKEFILE_LIST))
@@ -24,4 +24,4 @@ $(GPU_VENV)/.ok: mk/gpu-image.txt $(GPU_MK)
 	touch $@
 
 gpu-rehearsal: $(GPU_VENV)/.ok
-	$(GPU_VENV)/bin/python -m jupyter_pagedkv.bench gpu --smoke --out build/gpu-rehearsal
+	$(GPU_VENV)/bin/python -m jupyter_pagedkv.bench gpu --smoke --full --out build/gpu-rehearsal

@@ -174,7 +174,7 @@ def gpu_part(report, smoke: bool) -> None:
     for model_type in types:
         o = run_case(model_type, str(dev), backend="triton")
         rows.append({"type": o.model_type, "status": o.status, "detail": o.detail, "seconds": round(o.seconds, 1)})
-        report.put("rows", rows)
+        report.row("architectures", rows[-1])
         report.line(f"| {o.model_type} | {o.status} | {o.detail} | {o.seconds:.1f} |")
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -17,12 +17,12 @@ import torch
 from ..worker.step_timing import summarize
 
 from .gpu_report import Report, device
-from .hf_peers import hf_continuous, hf_padded
+from .hf_peers import hf_continuous_session, hf_padded
 from .models import shaped_model
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("jupyter-pagedkv", "HF continuous batching", "HF generate, one padded batch")
+SYSTEMS = ("jupyter-pagedkv, eager", "HF continuous batching", "HF generate, one padded batch")
 # Our engine with its decode steps padded to buckets: replayed as CUDA graphs on a GPU; on a CPU
 # (the rehearsal) run eagerly, which exercises the same code path.
 GRAPHS = "jupyter-pagedkv, CUDA graphs"
@@ -80,12 +80,21 @@ def run_ours(model, prompts, limits, *, backend: str, budget_tokens: int, timing
     return [o.token_ids for o in outs], facts
 
 
-def run_hf_continuous(model, prompts, limits) -> list[list[int]]:
+def run_hf_continuous(model, prompts, limits, warm_prompts, warm_limits) -> tuple[list[list[int]], float]:
+    """transformers' continuous batching timed in steady state, like ours: its manager started and
+    its own warm-up run done before the clock starts. Returns the outputs and the timed seconds."""
     need = sum(-(-(len(p) + m) // 16) for p, m in zip(prompts, limits))
-    out = hf_continuous(model, prompts, limits, num_blocks=need + 64,
-                        max_batch_tokens=2048 if torch.cuda.is_available() else 512, timeout_s=300)
+    with hf_continuous_session(model, max(limits + warm_limits), num_blocks=need + 64,
+                               max_batch_tokens=2048 if torch.cuda.is_available() else 512,
+                               timeout_s=300) as generate:
+        generate(warm_prompts, warm_limits)
+        _sync()
+        t0 = time.perf_counter()
+        out = generate(prompts, limits)
+        _sync()
+        seconds = time.perf_counter() - t0
     _empty()
-    return out
+    return out, seconds
 
 
 def run_hf_padded(model, prompts, limits) -> list[list[int]]:
@@ -111,9 +120,10 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
     vocab = model.config.vocab_size
     concurrency = (4, 8) if smoke else (64, 256)
     budget = 8192 if on_gpu else 512
-    # Ours twice: as it ships (eager), and with decode steps replayed as CUDA graphs (on a CPU,
-    # padded eagerly: the same code path, no graphs).
-    ours = {SYSTEMS[0]: {}, GRAPHS: {"cuda_graphs": True} if on_gpu else {"pad_decode": True}}
+    # Ours twice: eager, and with decode steps replayed as CUDA graphs (on a CPU, padded eagerly:
+    # the same code path, no graphs). Both named explicitly, whatever the engine's default.
+    ours = {SYSTEMS[0]: {"cuda_graphs": False},
+            GRAPHS: {"cuda_graphs": True} if on_gpu else {"cuda_graphs": False, "pad_decode": True}}
     systems = [SYSTEMS[0], GRAPHS, *SYSTEMS[1:]]
     report.line(f"{shape} shape{f', {layers} layer' if layers else ''}, random weights, bf16, greedy, EOS "
                 f"ignored; {dev.type}; attention backend {backend}; token budget per step {budget}"
@@ -122,13 +132,13 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
     report.line("| requests | system | tokens | seconds | tokens/s | ours / system |")
     report.line("|---:|---|---:|---:|---:|---:|")
     ok = True
-    rows, breakdowns, kv = [], {}, {}
+    breakdowns, kv = {}, {}
     with torch.inference_mode():
         # Warm-up: compiles kernels and fills caches on a small run of every system.
         wp, wl = workload(2, vocab, True, seed=99)
         for options in ours.values():
             run_ours(model, wp, wl, backend=backend, budget_tokens=budget, timings=None, **options)
-        run_hf_continuous(model, wp, wl)
+        run_hf_continuous(model, wp, wl, wp, wl)
         run_hf_padded(model, wp, wl)
         for n in concurrency:
             prompts, limits = workload(n, vocab, smoke, seed=n)
@@ -145,7 +155,7 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
                         kv[f"{n} {name}"] = facts
                         breakdowns[f"{n} {name}"] = summarize(timings, min_decode=max(1, n // 2))
                     elif name == SYSTEMS[1]:
-                        outputs[name] = run_hf_continuous(model, prompts, limits)
+                        outputs[name], seconds[name] = run_hf_continuous(model, prompts, limits, wp, wl)
                     else:
                         outputs[name] = run_hf_padded(model, prompts, limits)
                 except Exception as err:   # a peer failing is a finding; ours failing fails the part
@@ -155,14 +165,16 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
                     _empty()
                     continue
                 _sync()
-                seconds[name] = facts["seconds"] if name in ours else time.perf_counter() - t0
+                if name in ours:
+                    seconds[name] = facts["seconds"]
+                elif name != SYSTEMS[1]:
+                    seconds[name] = time.perf_counter() - t0
                 produced = sum(len(o) for o in outputs[name])
                 ok &= produced == tokens or name not in ours
                 ours_s = seconds.get(SYSTEMS[0])
                 ratio = f"{seconds[name] / ours_s:.2f}x" if ours_s else "-"
-                rows.append({"requests": n, "system": name, "tokens": produced, "seconds": seconds[name],
-                             "tokens_per_s": produced / seconds[name]})
-                report.put("rows", rows)
+                report.row("throughput", {"shape": shape, "requests": n, "system": name, "tokens": produced,
+                                          "seconds": seconds[name], "tokens_per_s": produced / seconds[name]})
                 report.line(f"| {n} | {name} | {produced} | {seconds[name]:.2f} | "
                             f"{produced / seconds[name]:.0f} | {ratio} |")
             if SYSTEMS[0] in outputs:
@@ -172,7 +184,7 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
             report.put("kv", kv)
     report.line("")
     report.line("Greedy outputs equal to ours (bf16: reduction order may flip near-ties): " + "; ".join(
-        f"{n} requests: " + ", ".join(f"{k} {v}/{n}" for k, v in report.data.get(f"greedy_agreement_{n}", {}).items())
+        f"{n} requests: " + ", ".join(f"{k} {v}/{n}" for k, v in report.data["facts"].get(f"greedy_agreement_{n}", {}).items())
         for n in concurrency))
     report.line("")
     report.line("Our decode steps (at least half the requests running), median per phase, ms:")

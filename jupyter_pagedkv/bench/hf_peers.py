@@ -4,6 +4,7 @@ its own `max_new_tokens`; the model runs on whatever device it is on, with SDPA 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 
@@ -47,10 +48,21 @@ def hf_continuous(model, prompts: list[list[int]], limits: list[int], *, num_blo
                   max_batch_tokens: int, pad_id: int = 0, timeout_s: float = 600) -> list[list[int]]:
     """transformers' own continuous batching, sized explicitly (its automatic sizing takes a share
     of all memory); its other settings are its defaults on the model's device."""
+    with hf_continuous_session(model, max(limits), num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                               pad_id=pad_id, timeout_s=timeout_s) as generate:
+        return generate(prompts, limits)
+
+
+@contextmanager
+def hf_continuous_session(model, max_new_tokens: int, *, num_blocks: int, max_batch_tokens: int,
+                          pad_id: int = 0, timeout_s: float = 600):
+    """One started continuous-batching manager, yielded as `generate(prompts, limits)`: several runs
+    share its start-up (cache allocation, worker thread), so a warm-up run before a timed one times
+    the peer in steady state, as our engine is timed after its own warm-up."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(limits), eos_token_id=[], pad_token_id=pad_id)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=pad_id)
     # 5.17 calls the page size `block_size`, 5.24 `page_size` (and still accepts the old name).
     size_name = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
     cb = ContinuousBatchingConfig(**{size_name: 16}, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
@@ -58,17 +70,21 @@ def hf_continuous(model, prompts: list[list[int]], limits: list[int], *, num_blo
     with attention(model, "sdpa"):
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
-        try:
+
+        def generate(prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
             ids = [manager.add_request(p, max_new_tokens=m, eos_token_id=[]) for p, m in zip(prompts, limits)]
-            results = {}
+            wanted, results = set(ids), {}
             while len(results) < len(ids):
                 r = manager.get_result(timeout=timeout_s)
                 if r is None:
                     raise RuntimeError(f"transformers continuous batching returned no result in {timeout_s:.0f} s")
-                if r.is_finished():
+                if r.is_finished() and r.request_id in wanted:
                     results[r.request_id] = r.generated_tokens
+            return [results[i] for i in ids]
+
+        try:
+            yield generate
         finally:
             manager.stop(block=True)
             if hasattr(model, "destroy_cached_continuous_batching_manager"):
                 model.destroy_cached_continuous_batching_manager()
-    return [results[i] for i in ids]
