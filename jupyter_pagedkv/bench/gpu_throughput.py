@@ -190,15 +190,16 @@ def throughput(report: Report, smoke: bool, shape: str) -> None:
     report.line("Our decode steps (at least half the requests running), median per phase, ms:")
     report.line("")
     report.line("| run | steps | batch | schedule | prepare | launch | device forward | wait | sample | "
-                "step | host share |")
-    report.line("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                "step | host share | H2D copies |")
+    report.line("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, b in breakdowns.items():
         if b.get("steps"):
             ms = lambda k: f"{b[k] * 1e3:.2f}" if b.get(k) is not None else "-"
             share = f"{b['host_fraction']:.0%}" if "host_fraction" in b else "-"
+            copies = f"{b['h2d_copies']:g}" if "h2d_copies" in b else "-"
             report.line(f"| {key} | {b['steps']} | {b['median_batch']:.0f} | {ms('schedule_s')} | "
                         f"{ms('prepare_s')} | {ms('launch_s')} | {ms('device_s')} | {ms('wait_s')} | "
-                        f"{ms('sample_s')} | {ms('total_s')} | {share} |")
+                        f"{ms('sample_s')} | {ms('total_s')} | {share} | {copies} |")
     report.line("")
     for key, facts in kv.items():
         report.line(f"KV, {key}: {facts}")
