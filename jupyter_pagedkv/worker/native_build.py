@@ -3,9 +3,15 @@
 Why one place: every C++ module here is built the same way (g++ and ninja, found even when the
 virtual environment is not activated; torch caches the result for every later process), and a
 user should hear once, in one line, that the first load pauses while it builds.
+
+Why a hashed name: torch's cache keeps one build per name, and ninja rebuilds it whenever the
+command changes (other flags, another source path, another venv's torch headers). So each variant
+is built as `<name>_<hash of its sources, flags and torch>`: the GPU rehearsal's venv or a test's
+broken source gets its own build instead of invalidating the one the user's next load needs.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -32,6 +38,11 @@ class LazyModule:
         self._module = None
         self._error: str | None = None
 
+    @property
+    def build_name(self) -> str:
+        """The name torch's cache keeps this variant under (see the module docstring)."""
+        return variant_name(self.name, self.source, self.cflags, self.ldflags)
+
     def load(self):
         with self._lock:
             if self._module is not None:
@@ -39,7 +50,7 @@ class LazyModule:
             if self._error is not None:
                 raise NativeBuildError(self._error)
             try:
-                self._module = build(self.name, self.source, self.what, self.cflags, self.ldflags)
+                self._module = build(self.build_name, self.source, self.what, self.cflags, self.ldflags)
             except Exception as err:  # noqa: BLE001  (a compiler's many failures become one line)
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 first = first.split(": [")[0][:160]      # not the compiler's command line after it
@@ -48,6 +59,27 @@ class LazyModule:
                 logger.warning(self._error)
                 raise NativeBuildError(self._error) from err
             return self._module
+
+
+def variant_name(name: str, source: Path | list[Path], cflags: list[str], ldflags: list[str]) -> str:
+    """`name` plus a short hash of everything a build depends on: each source's path and bytes,
+    the headers beside the first source, the flags, and the torch (version and install place)
+    whose headers it compiles against. Same inputs, same name; any change, a new name."""
+    import sysconfig
+
+    import torch
+
+    sources = [source] if isinstance(source, Path) else list(source)
+    headers = sorted(p for p in sources[0].parent.iterdir() if p.suffix in (".h", ".hpp")) \
+        if sources[0].parent.is_dir() else []
+    digest = hashlib.sha256()
+    for path in [*sources, *headers]:
+        digest.update(str(path.resolve()).encode() + b"\0")
+        digest.update(path.read_bytes() if path.exists() else b"<missing>")
+    for part in (*cflags, "|", *ldflags, "|", torch.__version__, os.path.dirname(torch.__file__),
+                 sysconfig.get_paths().get("include", "")):
+        digest.update(str(part).encode() + b"\0")
+    return f"{name}_{digest.hexdigest()[:10]}"
 
 
 def build(name: str, source: Path | list[Path], what: str, cflags: list[str] | None = None,
