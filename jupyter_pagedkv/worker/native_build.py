@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,9 @@ class LazyModule:
     def __init__(self, name: str, source: Path | list[Path], what: str, instead: str, cflags: list[str],
                  ldflags: list[str] | None = None) -> None:
         self.name, self.source, self.what, self.instead = name, source, what, instead
-        self.cflags, self.ldflags = cflags, ldflags or []
+        # Tuples: torch's loader appends its own link flags to the lists it is given, which
+        # would change this variant's name after its first load.
+        self.cflags, self.ldflags = tuple(cflags), tuple(ldflags or ())
         self._lock = threading.Lock()
         self._module = None
         self._error: str | None = None
@@ -61,7 +64,7 @@ class LazyModule:
             return self._module
 
 
-def variant_name(name: str, source: Path | list[Path], cflags: list[str], ldflags: list[str]) -> str:
+def variant_name(name: str, source: Path | list[Path], cflags: Sequence[str], ldflags: Sequence[str]) -> str:
     """`name` plus a short hash of everything a build depends on: each source's path and bytes,
     the headers beside the first source, the flags, and the torch (version and install place)
     whose headers it compiles against. Same inputs, same name; any change, a new name."""
@@ -82,8 +85,8 @@ def variant_name(name: str, source: Path | list[Path], cflags: list[str], ldflag
     return f"{name}_{digest.hexdigest()[:10]}"
 
 
-def build(name: str, source: Path | list[Path], what: str, cflags: list[str] | None = None,
-          ldflags: list[str] | None = None):
+def build(name: str, source: Path | list[Path], what: str, cflags: Sequence[str] | None = None,
+          ldflags: Sequence[str] | None = None):
     """The compiled module `name` from `source` (one file or several; headers beside the first
     are found), built now if torch's cache lacks it; `what` names it in the one-line warning a
     first build gives."""
@@ -95,7 +98,7 @@ def build(name: str, source: Path | list[Path], what: str, cflags: list[str] | N
         logger.warning("building %s: once per machine, ~45 s", what)
     sources = [source] if isinstance(source, Path) else list(source)
     return load(name, sources=[str(s) for s in sources], extra_include_paths=[str(sources[0].parent)],
-                extra_cflags=cflags or [], extra_ldflags=ldflags or [], verbose=False)
+                extra_cflags=list(cflags or ()), extra_ldflags=list(ldflags or ()), verbose=False)
 
 
 def _find_ninja() -> None:

@@ -54,3 +54,23 @@ def test_the_shipped_modules_are_built_under_hashed_names():
     for module, base in ((native_decode._EXTENSION, "jupyter_pagedkv_native_decode"),
                          (prefill_attention._KERNEL, "jupyter_pagedkv_prefill_attention")):
         assert module.name == base and module.build_name.startswith(base + "_") and len(module.build_name) == len(base) + 11
+
+
+def test_a_load_does_not_change_the_name_it_was_built_under(tmp_path, monkeypatch):
+    """torch's loader appends its link flags to the lists it is given: the variant's own flags
+    (and so its name) must not change with them, or the next load would look for another build."""
+    import torch.utils.cpp_extension as cpp
+
+    seen = []
+
+    def fake_load(name, sources, extra_include_paths, extra_cflags, extra_ldflags, verbose):
+        extra_ldflags += ["-ltorch", "-ltorch_python"]       # as torch does
+        seen.append(name)
+        return object()
+    monkeypatch.setattr(cpp, "load", fake_load)
+    src = tmp_path / "k.cpp"
+    src.write_text("int f();\n")
+    module = LazyModule("mod", src, "a module", "nothing", ["-O3"], ["-fopenmp"])
+    before = module.build_name
+    module.load()
+    assert seen == [before] and module.build_name == before and module.ldflags == ("-fopenmp",)
