@@ -68,6 +68,7 @@ def test_a_load_does_not_change_the_name_it_was_built_under(tmp_path, monkeypatc
         seen.append(name)
         return object()
     monkeypatch.setattr(cpp, "load", fake_load)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))   # not the user's cache
     src = tmp_path / "k.cpp"
     src.write_text("int f();\n")
     module = LazyModule("mod", src, "a module", "nothing", ["-O3"], ["-fopenmp"])

@@ -159,6 +159,8 @@ def test_merging_a_part_that_saw_nothing_keeps_the_other():
 def test_a_kernel_that_does_not_build_is_one_line_and_auto_falls_back(tmp_path, monkeypatch):
     from jupyter_pagedkv.worker.native_build import LazyModule, NativeBuildError
 
+    # Its own extensions dir: each run's source path is new, so is its hashed build name.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
     module = LazyModule("jupyter_pagedkv_test_broken", bad, "the C++ prefill attention kernel",
