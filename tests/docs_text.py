@@ -14,7 +14,7 @@ FENCE = re.compile(r"^(```|~~~)")
 LINK = re.compile(r"(!?)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HTML_SRC = re.compile(r"<(?:img|a)\b[^>]*?\b(?:src|href)=\"([^\"]+)\"", re.I)
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-INLINE_CODE = re.compile(r"`+[^`]*`+")
+INLINE_CODE = re.compile(r"(`+)[^`]*?\1(?!`)")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,25 @@ class Page:
                 out.append((i, line))
         return out
 
+    def paragraphs(self) -> list[tuple[int, str]]:
+        """(first line number, text) of each run of prose lines: a code span or a link may wrap
+        onto the next line, so they are looked for in whole paragraphs."""
+        out: list[tuple[int, str]] = []
+        start, lines, last = 0, [], -1
+        for i, line in self.prose_lines():
+            if not line.strip() or i != last + 1:
+                if lines:
+                    out.append((start, "\n".join(lines)))
+                start, lines = i, []
+            if line.strip():
+                if not lines:
+                    start = i
+                lines.append(line)
+            last = i
+        if lines:
+            out.append((start, "\n".join(lines)))
+        return out
+
     def code_blocks(self) -> list[str]:
         """The text of every fenced code block."""
         blocks, current = [], None
@@ -61,10 +80,11 @@ class Page:
 
     def links(self) -> list[Link]:
         found = []
-        for i, line in self.prose_lines():
-            bare = INLINE_CODE.sub(lambda m: " " * len(m.group(0)), line)
-            found += [Link(m.group(3), i, m.group(1) == "!") for m in LINK.finditer(bare)]
-            found += [Link(m.group(1), i, "<img" in m.group(0).lower()) for m in HTML_SRC.finditer(bare)]
+        for start, text in self.paragraphs():
+            bare = INLINE_CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+            line = lambda m: start + bare.count("\n", 0, m.start())
+            found += [Link(m.group(3), line(m), m.group(1) == "!") for m in LINK.finditer(bare)]
+            found += [Link(m.group(1), line(m), "<img" in m.group(0).lower()) for m in HTML_SRC.finditer(bare)]
         return found
 
     def anchors(self) -> set[str]:

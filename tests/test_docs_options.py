@@ -19,7 +19,7 @@ from docs_text import Page, pages
 MAGIC = re.compile(r"(%%generate|%%chat|%chat|%pagedkv)(?![\w?])(.*)")
 BENCH = re.compile(r"python -m jupyter_pagedkv\.bench(?:\s+([a-z][\w-]*))?(.*)")
 OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
-INLINE_CODE = re.compile(r"`([^`]+)`")
+INLINE_CODE = re.compile(r"`([^`]+)`")  # one backtick: what the docs use around commands
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 EXTRA_PAGEDKV = ("connect", "disconnect", "tenant")   # dispatched before the main parser
 
@@ -33,14 +33,18 @@ class Mention:
 
 
 def snippets(page: Page) -> list[tuple[int, str]]:
-    """The code the page shows: each line of a fenced block, each inline code span elsewhere."""
+    """The code the page shows: each line of a fenced block, and each inline code span (which may
+    wrap onto the next line) elsewhere, with its line number."""
     out, fenced = [], False
     for i, line in enumerate(page.text.splitlines(), 1):
         if line.lstrip().startswith(("```", "~~~")):
             fenced = not fenced
-            continue
-        out += [(i, line)] if fenced else [(i, m.group(1)) for m in INLINE_CODE.finditer(line)]
-    return out
+        elif fenced:
+            out.append((i, line))
+    for start, text in page.paragraphs():
+        out += [(start + text.count("\n", 0, m.start()), " ".join(m.group(1).split()))
+                for m in INLINE_CODE.finditer(text)]
+    return sorted(out)
 
 
 def mentions(page: Page) -> list[Mention]:
