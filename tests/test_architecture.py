@@ -24,10 +24,10 @@ LAYERS = [
     {"remote"},
     {"sim"},
     {"notebook"},
-    {"bench"},
+    {"bench", "docs"},    # docs: runs the transcripts the docs quote
     {"__init__", "__main__"},
 ]
-UPPER = {"protocol", "monitor", "widgets", "remote", "sim", "notebook", "bench"}
+UPPER = {"protocol", "monitor", "widgets", "remote", "sim", "notebook", "bench", "docs"}
 # What only the engine (and the core it owns) may touch on an engine object.
 ENGINE_INTERNALS = {"_lock", "_requests", "scheduler", "pool", "runner", "speculator", "swap", "kv_cache"}
 SCHEDULER_LISTS = {"running", "waiting", "swapped"}

@@ -57,8 +57,11 @@ def escape(text: str) -> str:
 def panel_markdown(panel, heading: bool) -> str:
     """One answer as Markdown: its label (several prompts), the text so far, the footer line."""
     parts = [f"**{escape(panel.label)}**"] if heading else []
-    body = displayable(panel.text, panel.finished)
-    parts.append(body if body.strip() else ("…" if not panel.finished else ""))
+    for label, text in panel.sections():      # several samples: each its own labelled paragraph
+        if label:
+            parts.append(f"*{escape(label)}*")
+        body = displayable(text, panel.finished)
+        parts.append(body if body.strip() else ("…" if not panel.finished else ""))
     if panel.output is not None:
         parts.append(f"*{escape(footer(panel.output))}*")
     return "\n\n".join(p for p in parts if p)

@@ -45,8 +45,8 @@ def split_prompts(cell: str) -> list[str]:
     return parts
 
 
-def parse_connect(rest: str):
-    """`%pagedkv connect` options; a mistake is one UsageError line."""
+def connect_parser():
+    """`%pagedkv connect`'s parser (also read by the docs test); a mistake is one UsageError line."""
     import argparse
 
     class Parser(argparse.ArgumentParser):
@@ -60,11 +60,16 @@ def parse_connect(rest: str):
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT")
     p.add_argument("--kv-events-topic", default="")
+    return p
+
+
+def parse_connect(rest: str):
+    """`%pagedkv connect` options; a mistake is one UsageError line."""
     try:
         argv = shlex.split(rest)
     except ValueError as err:
         raise UsageError(f"cannot read the options: {err} (check the quotes)") from None
-    return p.parse_args(argv)
+    return connect_parser().parse_args(argv)
 
 
 def parse_line(magic: Callable, line: str):

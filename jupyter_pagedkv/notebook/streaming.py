@@ -34,10 +34,24 @@ class Panel:
     text: str = ""
     output: RequestOutput | None = None
     error: BaseException | None = None     # the engine failed this request (not an abort we asked)
+    num_samples: int = 1                   # n samples (or beams) of this one request
+    kind: str = "sample"                   # the word their labels use: "sample" or "beam"
 
     @property
     def finished(self) -> bool:
         return self.output is not None
+
+    def sections(self) -> list[tuple[str | None, str]]:
+        """(label, text) per sample, so several samples of one prompt read like several prompts:
+        one sample has no label; of several, sample 1 streams under "sample 1/N" and the others
+        join it, each labelled alike and each its own paragraph, when the request finishes."""
+        samples = self.output.outputs if self.output is not None else []
+        n = max(self.num_samples, len(samples))
+        if n <= 1:
+            return [(None, self.text)]
+        if len(samples) <= 1:
+            return [(f"{self.kind} 1/{n}", self.text)]
+        return [(f"{self.kind} {o.index + 1}/{n}", o.text) for o in samples]
 
 
 def footer(out: RequestOutput) -> str:
@@ -102,9 +116,11 @@ class CellRun:
     def submit(self, prompts: Sequence, params: SamplingParams) -> list[str]:
         """Add every prompt; if one is rejected (ValueError), abort the ones already added."""
         try:
+            beams = getattr(params, "beam_width", None)
+            n, kind = (beams, "beam") if beams else (getattr(params, "n", 1) or 1, "sample")
             for prompt, label in zip(prompts, self._labels):
                 rid = self.engine.add_request(prompt, params, listener=self.queue, tenant=self.tenant)
-                self.panels.append(Panel(rid, label))
+                self.panels.append(Panel(rid, label, num_samples=n, kind=kind))
         except BaseException:
             self.abort()
             raise
@@ -135,10 +151,10 @@ class CellRun:
         if delta.finished:
             panel.output = delta.output
             panel.error = delta.error
-            samples = delta.output.outputs
-            # n > 1: sample 1 streamed; the others share its prompt blocks and appear after it.
-            panel.text = "\n\n".join([samples[0].text] + [f"({o.index + 1}/{len(samples)}) {o.text}"
-                                                             for o in samples[1:]])
+            if delta.output is not None and delta.output.outputs:
+                # Sample 1 streamed (beams publish only the final, best-first hypotheses); the
+                # others share its prompt blocks and are shown beside it (Panel.sections).
+                panel.text = delta.output.outputs[0].text
 
     def abort(self, render: Renderer | None = None) -> int:
         """Abort the unfinished requests of this cell; returns how many were still live.
@@ -158,21 +174,31 @@ class CellRun:
 
 # -- renderers ------------------------------------------------------------------------------------
 
+def plain_body(panel: Panel) -> str:
+    """A panel's text as plain text: its samples one after another, each under a `── sample
+    i/N ──` line when there are several (the way several prompts are labelled)."""
+    return "\n\n".join(f"── {label} ──\n{text}" if label else text for label, text in panel.sections())
+
+
 def _plain(panels: Sequence[Panel], footers: bool = True) -> str:
     parts = []
     for p in panels:
         head = f"── {p.label} ──\n" if len(panels) > 1 else ""
         tail = f"\n{footer(p.output)}" if footers and p.output is not None else ""
-        parts.append(f"{head}{p.text}{tail}")
+        parts.append(f"{head}{plain_body(p)}{tail}")
     return "\n\n".join(parts)
+
+
+_HEAD = "<div style='font-weight:600;opacity:.7;margin-bottom:4px'>{}</div>"
 
 
 def _html(panels: Sequence[Panel]) -> str:
     cols = []
     for p in panels:
-        head = (f"<div style='font-weight:600;opacity:.7;margin-bottom:4px'>{html.escape(p.label)}</div>"
-                if len(panels) > 1 else "")
-        body = html.escape(p.text) + ("" if p.finished else " ▌")
+        head = _HEAD.format(html.escape(p.label)) if len(panels) > 1 else ""
+        body = "".join((_HEAD.format(html.escape(label)) if label else "") + html.escape(text)
+                       + ("\n\n" if label else "") for label, text in p.sections()).rstrip("\n")
+        body += "" if p.finished else " ▌"
         foot = (f"<div style='opacity:.6;font-size:85%;margin-top:4px'>{html.escape(footer(p.output))}</div>"
                 if p.output is not None else "")
         cols.append(f"<div style='flex:1 1 0;min-width:14em'>{head}"
@@ -208,7 +234,7 @@ class PrintRenderer:
     def __init__(self, write: Callable[[str], object] | None = None) -> None:
         self._write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         self._current = 0
-        self._printed = 0
+        self._printed = ""
         self._started = False
 
     def update(self, panels: Sequence[Panel], final: bool) -> None:
@@ -218,13 +244,17 @@ class PrintRenderer:
                 if len(panels) > 1:
                     self._write(("\n" if self._current else "") + f"── {p.label} ──\n")
                 self._started = True
-            if p.text[self._printed:]:
-                self._write(p.text[self._printed:])
-                self._printed = len(p.text)
+            body = plain_body(p)
+            if not body.startswith(self._printed):    # the final text differs from what streamed
+                self._write("\n")
+                self._printed = ""
+            if body[len(self._printed):]:
+                self._write(body[len(self._printed):])
+                self._printed = body
             if not p.finished:
                 return
             self._write(f"\n{footer(p.output)}\n")
-            self._current, self._printed, self._started = self._current + 1, 0, False
+            self._current, self._printed, self._started = self._current + 1, "", False
 
 
 class WidgetRenderer:

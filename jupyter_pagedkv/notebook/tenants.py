@@ -30,15 +30,20 @@ def tenants_table(stats) -> str:
     return "\n".join(lines)
 
 
-def set_tenant_line(engine, line: str) -> str:
-    """Parse `NAME [--weight W] [--max-blocks N]`, apply engine.set_tenant and describe the result;
-    ValueError (one line) for a bad line, a bad spec, or an engine that has no tenants."""
+def tenant_parser() -> argparse.ArgumentParser:
+    """`%pagedkv tenant NAME [--weight W] [--max-blocks N]` (also read by the docs test)."""
     parser = argparse.ArgumentParser(prog="%pagedkv tenant", add_help=False)
     parser.add_argument("name")
     parser.add_argument("--weight", type=float, default=1.0)
     parser.add_argument("--max-blocks", type=int, default=None)
+    return parser
+
+
+def set_tenant_line(engine, line: str) -> str:
+    """Parse `NAME [--weight W] [--max-blocks N]`, apply engine.set_tenant and describe the result;
+    ValueError (one line) for a bad line, a bad spec, or an engine that has no tenants."""
     try:
-        args = parser.parse_args(shlex.split(line))
+        args = tenant_parser().parse_args(shlex.split(line))
     except SystemExit:
         raise ValueError(USAGE) from None
     if not hasattr(engine, "set_tenant"):

@@ -254,9 +254,9 @@ def test_n_samples_all_appear_and_are_stored(ip, capsys):
     printed = capsys.readouterr().out
     out = ip.user_ns["samples"]
     assert [o.index for o in out.outputs] == [0, 1, 2]
-    assert printed.startswith(out.outputs[0].text)
+    assert printed.startswith(f"── sample 1/3 ──\n{out.outputs[0].text}")
     for o in out.outputs[1:]:
-        assert f"({o.index + 1}/3) {o.text}" in printed
+        assert f"\n\n── sample {o.index + 1}/3 ──\n{o.text}" in printed
     assert f"[{sum(len(o.token_ids) for o in out.outputs)} tokens generated" in printed
 
 
@@ -268,7 +268,8 @@ def test_beams_show_every_hypothesis_best_first(ip, capsys):
     ref = engine.beam_search([out.prompt_token_ids], BeamSearchParams(beam_width=2, max_tokens=4))[0]
     assert [o.token_ids for o in out.outputs] == [s.token_ids for s in ref.sequences]
     assert [o.score for o in out.outputs] == pytest.approx([s.score for s in ref.sequences], abs=1e-4)
-    assert printed.startswith(out.outputs[0].text) and f"(2/2) {out.outputs[1].text}" in printed
+    assert printed.startswith(f"── beam 1/2 ──\n{out.outputs[0].text}")
+    assert f"\n\n── beam 2/2 ──\n{out.outputs[1].text}" in printed
 
 
 def test_a_prompt_too_long_for_the_pool_is_a_usage_error(ip):

@@ -101,6 +101,65 @@ def test_an_answer_with_no_text_yet_shows_an_ellipsis_and_several_are_stacked_un
     assert data["text/plain"] == "── [1] a ──\n\n\n── [2] b ──\n**bold**"
 
 
+def samples_output(texts: list[str]) -> RequestOutput:
+    m = RequestMetrics(arrival_time=0.0, first_token_time=0.25, finish_time=0.45, num_generated_tokens=9)
+    outs = [CompletionOutput(i, t, list(range(3)), "stop") for i, t in enumerate(texts)]
+    return RequestOutput("req-1", None, list(range(40)), outs, True, 32, m)
+
+
+SAMPLES = ["1. Red\n2. Blue", "1. Green\n2. Gold", "Plain *text*."]
+
+
+def test_n_samples_are_each_labelled_alike_and_keep_their_markdown():
+    p = Panel("r1", "[1] colours", num_samples=3)
+    p.text = SAMPLES[0][:6]                                   # sample 1 streaming: labelled already
+    assert panel_markdown(p, heading=False).startswith("*sample 1/3*\n\n1. Red")
+    p.text, p.output = SAMPLES[0], samples_output(SAMPLES)
+    md = panel_markdown(p, heading=False)
+    html = MD.render(md)
+    assert [f"<em>sample {i}/3</em>" in html for i in (1, 2, 3)] == [True] * 3
+    assert html.count("<ol>") == 2 and "<li>Gold</li>" in html and "<em>text</em>" in html
+    assert "(2/3)" not in md
+    # Each sample parses as it would alone: its list starts its own paragraph, not mid-line.
+    for text in SAMPLES:
+        assert MD.render(displayable(text, True)) in html
+
+
+def test_n_samples_in_plain_text_and_html_use_the_same_labels_as_several_prompts():
+    from jupyter_pagedkv.notebook.streaming import bundle
+    p = Panel("r1", "[1] colours", SAMPLES[0], output=samples_output(SAMPLES), num_samples=3)
+    data = bundle([p])
+    assert data["text/plain"].startswith("── sample 1/3 ──\n1. Red\n2. Blue\n\n── sample 2/3 ──\n1. Green")
+    assert data["text/html"].count("sample ") == 3 and "(2/3)" not in data["text/html"]
+    one = Panel("r2", "[1] x", "just one", output=output("just one"))
+    assert "sample" not in bundle([one])["text/plain"]          # one sample: no label, as before
+
+
+def test_the_terminal_prints_sample_one_as_it_streams_and_the_others_labelled_after_it():
+    from jupyter_pagedkv.notebook.streaming import PrintRenderer
+    written: list[str] = []
+    r = PrintRenderer(written.append)
+    p = Panel("r1", "[1] colours", num_samples=3)
+    p.text = "1. Red"
+    r.update([p], final=False)
+    p.text, p.output = SAMPLES[0], samples_output(SAMPLES)
+    r.update([p], final=True)
+    assert "".join(written).startswith("── sample 1/3 ──\n1. Red\n2. Blue\n\n── sample 2/3 ──\n1. Green\n2. Gold"
+                                       "\n\n── sample 3/3 ──\nPlain *text*.\n[9 tokens generated")
+
+
+def test_beams_are_labelled_as_beams_best_first():
+    from jupyter_pagedkv.core.sampling_params import BeamSearchParams
+
+    class Engine:
+        def add_request(self, prompt, params, listener=None, tenant=None):
+            return "req-1"
+    run = CellRun(Engine(), ["[1] p"])
+    run.submit(["p"], BeamSearchParams(beam_width=2, max_tokens=4))
+    run._fold(StreamDelta("req-1", "", [], True, "stop", samples_output(["best", "second"])))
+    assert [label for label, _ in run.panels[0].sections()] == ["beam 1/2", "beam 2/2"]
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

@@ -17,6 +17,7 @@ import {
   gaugeRows,
   layout,
   parseColor,
+  sparkLabel,
   statusText,
   themeOf,
 } from "../../jupyter_pagedkv/widgets/static/blockmap.js";
@@ -533,4 +534,14 @@ test("gauge rows add swapped and speculation rows only when those counters are n
     spec_accepted_tokens: 1, spec_acceptance_rate: 0.25, spec_mean_accepted_length: 0.5 })),
   [...labels(plain), "swapped out", "speculation"]);
   assert.deepEqual(gaugeRows(null), []);
+});
+
+test("the sparkline says what it plots, over which window, and its current and peak value", () => {
+  assert.equal(sparkLabel([]), "KV usage over the last updates (up to 240): none yet");
+  assert.equal(sparkLabel([0.1, 0.5, 0.25]),
+    "KV usage over the last 3 updates (up to 240, one per change): 25% now, peak 50%");
+  const store = createStore();
+  for (let seq = 0; seq < 300; seq++) store.history.push(seq === 10 ? 0.9 : 0.02);
+  store.history.splice(0, 60);
+  assert.match(sparkLabel(store.history), /^KV usage over the last 240 updates .*: 2\.0% now, peak 2\.0%$/);
 });

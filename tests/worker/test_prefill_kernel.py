@@ -159,13 +159,15 @@ def test_merging_a_part_that_saw_nothing_keeps_the_other():
 def test_a_kernel_that_does_not_build_is_one_line_and_auto_falls_back(tmp_path, monkeypatch):
     from jupyter_pagedkv.worker.native_build import LazyModule, NativeBuildError
 
+    # Its own extensions dir: each run's source path is new, so is its hashed build name.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
     module = LazyModule("jupyter_pagedkv_test_broken", bad, "the C++ prefill attention kernel",
                         "prefill_attention='torch'", ["-O0"])
     for _ in range(2):        # the second load answers from memory with the same line
         with pytest.raises(NativeBuildError, match=r"^the C\+\+ prefill attention kernel did not build \(Error "
-                                                   r"building extension 'jupyter_pagedkv_test_broken'\): install "
+                                                   r"building extension 'jupyter_pagedkv_test_broken_[0-9a-f]{10}'\): install "
                                                    r"g\+\+ and ninja \(pip install ninja\), or use "
                                                    r"prefill_attention='torch'$"):
             module.load()

@@ -373,14 +373,34 @@ export function drawBlocks(canvas, store, lay, highlight, theme = LIGHT, mode = 
   }
 }
 
-/** A sparkline of KV usage (0..1) over the recent frames. */
+/** The words beside the sparkline: what it plots and over which window. Frames come only when the
+ * pool changed (at most 10 a second), so the window is counted in updates, not seconds. */
+export function sparkLabel(history) {
+  if (history.length < 2) return `KV usage over the last updates (up to ${HISTORY}): none yet`;
+  const peak = Math.max(...history);
+  return `KV usage over the last ${history.length} updates (up to ${HISTORY}, one per change): ` +
+    `${pct(history[history.length - 1])} now, peak ${pct(peak)}`;
+}
+
+/** A sparkline of KV usage over the recent frames: 0 at the bottom line, 100% at the dotted top
+ * line (axes, not a box, so it does not read as a text field). */
 export function drawSparkline(canvas, history) {
   const w = canvas.width, h = canvas.height;
   const ctx = canvas.getContext("2d");
   if (!ctx) return;
   ctx.clearRect(0, 0, w, h);
-  ctx.strokeStyle = "rgba(128,128,128,0.35)";
-  ctx.strokeRect(0.5, 0.5, w - 1, h - 1);
+  ctx.strokeStyle = "rgba(128,128,128,0.45)";
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  ctx.moveTo(0, h - 0.5);
+  ctx.lineTo(w, h - 0.5);
+  ctx.stroke();
+  ctx.setLineDash([2, 3]);
+  ctx.beginPath();
+  ctx.moveTo(0, 0.5);
+  ctx.lineTo(w, 0.5);
+  ctx.stroke();
+  ctx.setLineDash([]);
   if (history.length < 2) return;
   ctx.strokeStyle = css(COLORS.used);
   ctx.lineWidth = 1.5;
@@ -458,6 +478,8 @@ const STYLE = `
 .pkv-legend i { display: inline-block; width: 10px; height: 10px; margin-right: 3px; vertical-align: -1px; }
 .pkv-hover { min-height: 1.4em; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .pkv-note { font-style: italic; }
+.pkv-spark-row { display: flex; flex-wrap: wrap; align-items: center; gap: 2px 8px; margin-top: 4px; }
+.pkv-spark-label { color: var(--jp-ui-font-color2, currentColor); }
 .pkv-keys { display: flex; flex-wrap: wrap; align-items: baseline; gap: 2px 12px; margin-top: 4px; }
 .pkv-keys .pkv-legend { margin-top: 0; flex: 1 1 auto; }
 .pkv-mode { white-space: nowrap; color: var(--jp-ui-font-color2, currentColor); }
@@ -546,13 +568,15 @@ export function mount(el, opts = {}) {
   root.className = "pkv-root";
   root.innerHTML = `<div class="pkv-title"></div><div class="pkv-bar"></div><div class="pkv-gauges"></div>
     <div class="pkv-tenants"></div><canvas class="pkv-blocks"></canvas><div class="pkv-hover"></div>
-    <canvas class="pkv-spark" width="240" height="28"></canvas><div class="pkv-keys"><span class="pkv-mode"
+    <div class="pkv-spark-row"><canvas class="pkv-spark" width="240" height="28" role="img"></canvas><span
+    class="pkv-spark-label"></span></div><div class="pkv-keys"><span class="pkv-mode"
     role="group" aria-label="colour blocks by">colour by <button type="button" data-mode="state">state</button><button
     type="button" data-mode="tenant">tenant</button></span><div class="pkv-legend"></div></div>`;
   el.appendChild(root);
   const q = (sel) => root.querySelector(sel);
   const title = q(".pkv-title"), bar = q(".pkv-bar"), gauges = q(".pkv-gauges");
   const blocks = q(".pkv-blocks"), hover = q(".pkv-hover"), spark = q(".pkv-spark"), legend = q(".pkv-legend");
+  const sparkText = q(".pkv-spark-label");
   const tenantBox = q(".pkv-tenants"), modeBox = q(".pkv-mode");
   let mode = MODES.includes(opts.mode) ? opts.mode : "state";
   title.textContent = opts.title || "KV cache";
@@ -608,6 +632,8 @@ export function mount(el, opts = {}) {
     legend.innerHTML = keys.map(([bgc, label]) => `<span><i style="background:${bgc}"></i>${escapeHtml(label)}</span>`).join("") +
       `<span>${scale} · ${store.numBlocks.toLocaleString()} blocks × ${store.blockSize} tokens</span>`;
     drawSparkline(spark, store.history);
+    sparkText.textContent = sparkLabel(store.history);
+    spark.setAttribute("aria-label", sparkText.textContent);
     root.dataset.seq = String(store.seq);
     // The highest gauges this view has drawn (data-peak-used, ...): what a run looked like at its
     // busiest, readable after it ended however fast it was (the browser tests read them).
