@@ -183,6 +183,7 @@ class PaddedDecode:
             batch.graph.replay()
             why = logits_mismatch(batch.logits.float(), eager)
         except Exception as err:       # any capture failure: the step still runs, eagerly
+            logger.debug("CUDA graph capture of %d rows failed", batch.size, exc_info=True)
             why = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         if why is None:
             self.num_verified += 1
