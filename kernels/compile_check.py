@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute capabilities to compile for (default: 90 80)")
     parser.add_argument("--quick", action="store_true", help="only the GPU check's models")
     parser.add_argument("--jsonl", help="append one JSON object per variant as it is compiled")
-    parser.add_argument("-j", "--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                        help="parallel compile processes (default: 2)")
+    parser.add_argument("-j", "--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="parallel compile processes (default: the CPUs, at most 8)")
     args = parser.parse_args(argv)
     models = GPU_CHECK if args.quick else full_models()
     start = time.perf_counter()
