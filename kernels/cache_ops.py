@@ -2,6 +2,8 @@
 
 Layouts: a layer's cache is `[num_blocks, block_size, kv_heads, head_dim]`; the whole cache
 (what `KVCache` holds for K and for V) is `[layers, num_blocks, block_size, kv_heads, head_dim]`.
+Offsets are int64 (token x stride, slot, block x stride, layer x stride): a cache passes 2**31
+elements long before it fills a large GPU.
 """
 from __future__ import annotations
 
@@ -9,15 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import KernelLaunch
 
-@triton.jit
+
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])   # a view into staged step inputs
 def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr):
     """One program per token: copy its `[kv_heads, head_dim]` key and value into its slot."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
@@ -42,22 +46,30 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     tokens and heads (e.g. a transposed view); the last dimension must be contiguous. Like the
     torch path (`index_copy_`), rows must already have the cache's dtype.
     """
+    if key.shape[0] == 0:
+        return
+    write_kv_launch(k_cache, v_cache, key, value, slot_mapping).run()
+
+
+def write_kv_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, slot_mapping: torch.Tensor) -> KernelLaunch:
+    """The one launch `write_kv` makes, argument for argument (also built on meta tensors)."""
     num_tokens, kv_heads, head_dim = key.shape
     block_size = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert key.stride(-1) == 1 and value.stride(-1) == 1
     assert key.dtype == value.dtype == k_cache.dtype, "K/V must already be in the cache dtype"
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        BLOCK=triton.next_power_of_2(kv_heads * head_dim), BLOCK_SIZE=block_size, num_warps=4)
+    return KernelLaunch(
+        _write_kv_kernel, (num_tokens,),
+        (key, value, k_cache, v_cache, slot_mapping,
+         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
+        dict(KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+             BLOCK=triton.next_power_of_2(kv_heads * head_dim), BLOCK_SIZE=block_size),
+        dict(num_warps=4))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pairs_ptr"])
 def _copy_blocks_kernel(k_ptr, v_ptr, pairs_ptr, stride_layer, stride_block,
                         BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr):
     """Grid (pair, layer): copy one block's K and V contents src -> dst, CHUNK elements at a time."""
@@ -85,11 +97,18 @@ def copy_blocks(k: torch.Tensor, v: torch.Tensor, pairs: torch.Tensor | list[tup
     if pairs.numel() == 0:
         return
     pairs = pairs.to(device=k.device, dtype=torch.int64).contiguous()
+    copy_blocks_launch(k, v, pairs).run()
+
+
+def copy_blocks_launch(k: torch.Tensor, v: torch.Tensor, pairs: torch.Tensor) -> KernelLaunch:
+    """The one launch `copy_blocks` makes for int64 `pairs [P, 2]` on the cache's device."""
     assert k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
     block_numel = k[0, 0].numel()
     chunk = min(triton.next_power_of_2(block_numel), 4096)
-    _copy_blocks_kernel[(pairs.shape[0], k.shape[0])](
-        k, v, pairs, k.stride(0), k.stride(1), BLOCK_NUMEL=block_numel, CHUNK=chunk, num_warps=4)
+    return KernelLaunch(
+        _copy_blocks_kernel, (pairs.shape[0], k.shape[0]),
+        (k, v, pairs, k.stride(0), k.stride(1)),
+        dict(BLOCK_NUMEL=block_numel, CHUNK=chunk), dict(num_warps=4))
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor | list[tuple[int, int]]) -> None:

@@ -9,6 +9,28 @@ so the tile size is independent of the cache's block size. Softmax is online, ac
 Split-K (flash-decoding): when few programs would run over long contexts, a third grid axis cuts
 each sequence's key range into `num_splits` parts; each part writes an unnormalised partial result
 with its running max and sum, and a small reduction kernel merges them.
+
+Bounded variants. Every value that moves from step to step is a *runtime* argument that Triton is
+told not to specialise (`do_not_specialize`: otherwise an int equal to 1 becomes a constant and a
+multiple of 16 gets a divisibility hint, each a separate compile): the split count, the batch size,
+the block-table width, the window, the GQA group with its row tile (`group`, `block_q`), and the
+cache's block size (as a shift: blocks are powers of two, so a runtime shift and mask cost what
+constant ones do). The window is on for every step of a windowed model (a no-op mask while the
+context is shorter). So one model compiles a fixed handful of variants -- decode tile and prefill
+tile, each split or not (`SPLIT`, a constexpr boolean that keeps the unsplit path free of
+partial-buffer code), one merge kernel -- whatever the batch and context, and `variants.warm_up`
+compiles them all before a timed run (docs/kernels.md: 7 per model, from 52-97 before).
+
+Why a runtime count rather than vLLM's fixed segment count: the split heuristic below stays (few
+programs over long contexts split more, big batches not at all), and a runtime count costs one
+integer division per program, nothing in the key loop. A runtime group costs a division and a
+modulo of the row index once per program, not per key tile. Neither was measured on a GPU (none
+lent yet); the compile check reports each variant's registers, none spilling. The
+merge kernel takes the count at run time, padded to `MAX_SPLITS` for its max/sum vectors, and
+walks the partial outputs in a loop.
+
+Offsets that can pass 2**31 elements are computed in int64: token x stride (queries, outputs),
+block x stride (the cache), sequence x table stride, and the partial-buffer indices.
 """
 from __future__ import annotations
 
@@ -18,24 +40,33 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import KernelLaunch
+
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 64                 # choose_num_splits never returns more; the merge kernel's pad
+# Arguments that change from step to step (or between models sharing a kernel): never specialised.
+_ATTENTION_RUNTIME = ["num_seqs", "window", "stride_bt", "num_heads", "group", "block_q", "num_splits",
+                      "block_shift"]
+# Step inputs may be views at any 4-byte offset of one staging buffer (worker/input_staging.py):
+# their addresses' alignment must not pick a variant either.
+STEP_INPUTS = ["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"]
 
 
 @triton.jit
-def _sequence_of_program(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """Sequence i owns programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): find i."""
+def _sequence_of_program(query_start_loc_ptr, pid, num_seqs, block_q):
+    """Sequence i owns programs [qsl[i] // block_q + i, qsl[i+1] // block_q + i + 1): find i."""
     lo = num_seqs * 0       # an int32 scalar, like hi (a plain 0 would not type the loop)
     hi = num_seqs
     while lo < hi:          # first sequence whose first program lies after pid
         mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid:
+        if tl.load(query_start_loc_ptr + mid) // block_q + mid <= pid:
             lo = mid + 1
         else:
             hi = mid
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ATTENTION_RUNTIME, do_not_specialize_on_alignment=STEP_INPUTS)
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -43,57 +74,62 @@ def _paged_attention_kernel(
     scale_log2, num_seqs, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, num_heads,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    stride_bt, num_heads, group, block_q, num_splits, block_shift,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _sequence_of_program(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
+    seq = _sequence_of_program(query_start_loc_ptr, pid, num_seqs, block_q)
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
-    q_tile = pid - (q_begin // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q >= q_len:
+    q_tile = pid - (q_begin // block_q + seq)
+    if q_tile * block_q >= q_len:
         return
     ctx_len = tl.load(seq_lens_ptr + seq)
     first_pos = ctx_len - q_len                      # position of the sequence's first query
 
     rows = tl.arange(0, BLOCK_M)
-    tok = q_tile * BLOCK_Q + rows // GROUP           # token index inside the sequence's chunk
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    tok = q_tile * block_q + rows // group           # token index inside the sequence's chunk
+    head = kv_head * group + rows % group
+    row_ok = (rows < block_q * group) & (tok < q_len)
     q_pos = first_pos + tok
+    q_row = (q_begin + tok).to(tl.int64)             # row of the [T, heads, d] query / output
+    head64 = head.to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + (q_begin + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head64[:, None] * stride_qh
                 + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if DOT_FP32:    # the interpreter's tl.dot mishandles bf16: same rounding, fp32 operands
         q = q.to(tl.float32)
 
     # Keys this tile needs: [kv_lo, kv_hi), causal bound from its last query row.
-    last_tok = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
+    last_tok = tl.minimum(q_len, (q_tile + 1) * block_q) - 1
     kv_hi = first_pos + last_tok + 1
     kv_lo = 0
     if USE_WINDOW:
-        kv_lo = tl.maximum(first_pos + q_tile * BLOCK_Q - window + 1, 0)
+        kv_lo = tl.maximum(first_pos + q_tile * block_q - window + 1, 0)
         kv_lo = (kv_lo // TILE_N) * TILE_N
     num_tiles = tl.cdiv(kv_hi - kv_lo, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = num_tiles * 0
+    tile_hi = num_tiles
+    if SPLIT:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t in range(tile_lo, tile_hi):
         k_pos = kv_lo + t * TILE_N + tl.arange(0, TILE_N)
         k_ok = k_pos < kv_hi
-        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot = k_pos % BLOCK_SIZE
+        block = tl.load(table + (k_pos >> block_shift), mask=k_ok, other=0).to(tl.int64)
+        slot = k_pos & ((1 << block_shift) - 1)
         k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
                     + kv_head * stride_kh + dims[:, None],
                     mask=k_ok[None, :] & dim_ok[:, None], other=0.0)          # [D, N]
@@ -118,40 +154,47 @@ def _paged_attention_kernel(
         m_i = m_new
 
     store_ok = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + (q_begin + tok)[:, None] * stride_ot + head[:, None] * stride_oh
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=store_ok)
-    else:
-        part = ((q_begin + tok) * num_heads + head) * NUM_SPLITS + split      # [T, H, S] index
+    if SPLIT:
+        part = (q_row * num_heads + head64) * num_splits + split              # [T, H, S] index
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + q_row[:, None] * stride_ot + head64[:, None] * stride_oh
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=store_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-                         stride_ot, stride_oh, num_heads,
+                         stride_ot, stride_oh, num_heads, num_splits,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Merge the split partials of one (token, head): rescale each by exp2(m_s - max m)."""
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
+                         MAX_SPLITS: tl.constexpr):
+    """Merge the split partials of one (token, head): rescale each by exp2(m_s - max m).
+
+    The maxima and sums load as one vector padded to MAX_SPLITS; the partial outputs are walked
+    in a runtime loop, so one compiled kernel serves every split count."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, MAX_SPLITS)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    base = (token * num_heads + head) * NUM_SPLITS
-    ok = splits < NUM_SPLITS
+    dim_ok = dims < HEAD_DIM
+    base = (token * num_heads + head) * num_splits
+    ok = splits < num_splits
     m = tl.load(part_max_ptr + base + splits, mask=ok, other=float("-inf"))
     l = tl.load(part_sum_ptr + base + splits, mask=ok, other=0.0)
     m_all = tl.max(m, 0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_all))
-    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                  mask=ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(w * l, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(part_max_ptr + base + s)
+        w_s = tl.where(m_s == float("-inf"), 0.0, tl.math.exp2(m_s - m_all))
+        acc += w_s * tl.load(part_acc_ptr + (base + s) * HEAD_DIM + dims, mask=dim_ok, other=0.0)
+    out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+             mask=dim_ok)
 
 
 def interpreting() -> bool:
@@ -166,34 +209,111 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device,
-                      tile_n: int) -> int:
-    """Split the key range only when the grid would leave most SMs idle on long contexts."""
-    target = 2 * _num_sms(device)
+                      tile_n: int, *, num_sms: int | None = None) -> int:
+    """Split the key range only when the grid would leave most SMs idle on long contexts.
+    At most MAX_SPLITS. `num_sms` overrides the device's count (the compile check has no GPU)."""
+    target = 2 * (num_sms or _num_sms(device))
     if num_programs >= target or max_seq_len < 8 * tile_n:
         return 1
-    splits = min(triton.cdiv(target, num_programs), triton.cdiv(max_seq_len, 4 * tile_n), 64)
+    splits = min(triton.cdiv(target, num_programs), triton.cdiv(max_seq_len, 4 * tile_n), MAX_SPLITS)
     return max(1, splits)
 
 
 def launch_config(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, elem_size: int,
                   max_seq_len: int | None, device: torch.device, *, block_m: int | None = None,
-                  tile_n: int | None = None, num_splits: int | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_Q, TILE_N, num_splits) for a launch; host ints only, no device sync.
+                  tile_n: int | None = None, num_splits: int | None = None,
+                  interpreted: bool | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, block_q, TILE_N, num_splits) for a launch; host ints only, no device sync.
 
     Decode-only batches use the smallest row tile (16 rows: one token times its query-head group,
     padded); batches with prefill chunks use 64 rows. Without `max_seq_len` there is no split.
+    fp32 (exact IEEE products on CUDA cores, no tensor cores) always uses the 16-row tile and
+    16-key tiles: the compile check found every larger fp32 tile spilling registers on sm_90 or
+    sm_80 (64 rows x 32 keys: 400-5216 bytes per thread); fp32 serves exactness checks, not speed.
+    `interpreted` (default: whether TRITON_INTERPRET is on) picks the interpreter's small tiles;
+    the compile check passes False to get what a GPU launches.
     """
+    if interpreted is None:
+        interpreted = interpreting()
     group = heads // kv_heads
     if block_m is None:
-        block_m = 16 if num_tokens == num_seqs or interpreting() else 64
+        block_m = 16 if num_tokens == num_seqs or interpreted or elem_size > 2 else 64
     block_m = max(block_m, triton.next_power_of_2(group), 16)
     block_q = block_m // group
     if tile_n is None:
-        tile_n = 32 if interpreting() or elem_size > 2 else 64
+        tile_n = 32 if interpreted else 16 if elem_size > 2 else 64
     if num_splits is None:
         grid = (triton.cdiv(num_tokens, block_q) + num_seqs) * kv_heads
         num_splits = 1 if max_seq_len is None else choose_num_splits(grid, max_seq_len, device, tile_n)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     return block_m, block_q, tile_n, num_splits
+
+
+def _num_warps(block_m: int, elem_size: int) -> int:
+    """8 warps for the 64-row tile and for fp32, 4 otherwise: with 4, the compile check found
+    the 64-row tile at head 128 spilling on sm_80 (48-64 bytes per thread) and the fp32 16-row
+    tile at head 128 spilling 8 bytes; with 8 neither spills on sm_80 or sm_90."""
+    return 8 if block_m >= 64 or elem_size > 2 else 4
+
+
+def attention_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, *,
+                       max_seq_len: int, sliding_window: int | None = None,
+                       num_splits: int | None = None, block_m: int | None = None,
+                       tile_n: int | None = None, interpreted: bool | None = None) -> list[KernelLaunch]:
+    """The launches `paged_attention` makes (attention, then the merge when split), argument for
+    argument. Allocates the split partials on the query's device (a meta device allocates nothing:
+    the compile check builds these on meta tensors)."""
+    if interpreted is None:
+        interpreted = interpreting()
+    num_tokens, heads, head_dim = query.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton kernels need a power-of-two block size, got {block_size}")
+    num_seqs = seq_lens.shape[0]
+    group = heads // kv_heads
+    block_m, block_q, tile_n, num_splits = launch_config(
+        num_tokens, num_seqs, heads, kv_heads, query.element_size(), max_seq_len, query.device,
+        block_m=block_m, tile_n=tile_n, num_splits=num_splits, interpreted=interpreted)
+    grid_q = triton.cdiv(num_tokens, block_q) + num_seqs
+    # fp32 inputs get exact fp32 products (TF32 would cost ~1e-3 relative error); 16-bit inputs
+    # multiply natively with fp32 accumulation.
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    # A model's window is on for every step, short or long (the mask is then a no-op), so the
+    # window never doubles the variants of one model.
+    use_window = sliding_window is not None
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(num_tokens, heads, num_splits, head_dim, dtype=torch.float32,
+                               device=query.device)
+        part_max = torch.empty(num_tokens, heads, num_splits, dtype=torch.float32,
+                               device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out       # never touched
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    launches = [KernelLaunch(
+        _paged_attention_kernel, (grid_q, kv_heads, num_splits),
+        (out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+         part_acc, part_max, part_sum,
+         scale * LOG2E, num_seqs, sliding_window if use_window else 0,
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         block_tables.stride(0), heads, group, block_q, num_splits, block_size.bit_length() - 1),
+        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+             BLOCK_M=block_m, TILE_N=tile_n, SPLIT=split, USE_WINDOW=use_window,
+             PRECISION=precision, DOT_FP32=interpreted and query.dtype == torch.bfloat16),
+        dict(num_warps=_num_warps(block_m, query.element_size()), num_stages=2))]
+    if split:
+        launches.append(KernelLaunch(
+            _merge_splits_kernel, (num_tokens, heads),
+            (out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), heads, num_splits),
+            dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=MAX_SPLITS),
+            dict(num_warps=4)))
+    return launches
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,7 +333,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert cache_dim == head_dim and heads % kv_heads == 0, "shape mismatch"
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
-    group = heads // kv_heads
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(query)
@@ -221,41 +340,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())           # a device sync: callers pass it when known
-    block_m, block_q, tile_n, num_splits = launch_config(
-        num_tokens, num_seqs, heads, kv_heads, query.element_size(), max_seq_len, query.device,
-        block_m=block_m, tile_n=tile_n, num_splits=num_splits)
-    grid_q = triton.cdiv(num_tokens, block_q) + num_seqs
-    # fp32 inputs get exact fp32 products (TF32 would cost ~1e-3 relative error); 16-bit inputs
-    # multiply natively with fp32 accumulation.
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    use_window = sliding_window is not None and sliding_window < max_seq_len
-    if num_splits > 1:
-        part_acc = torch.empty(num_tokens, heads, num_splits, head_dim, dtype=torch.float32,
-                               device=query.device)
-        part_max = torch.empty(num_tokens, heads, num_splits, dtype=torch.float32,
-                               device=query.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = out       # never touched
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    _paged_attention_kernel[(grid_q, kv_heads, num_splits)](
-        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_acc, part_max, part_sum,
-        scale * LOG2E, num_seqs, sliding_window if use_window else 0,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), heads,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, GROUP=group,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        USE_WINDOW=use_window, PRECISION=precision,
-        DOT_FP32=interpreting() and query.dtype == torch.bfloat16,
-        num_warps=4, num_stages=2,
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, heads)](
-            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), heads,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
-        )
+    for launch in attention_launches(query, k_cache, v_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, out, max_seq_len=max_seq_len,
+                                     sliding_window=sliding_window, num_splits=num_splits,
+                                     block_m=block_m, tile_n=tile_n):
+        launch.run()
     return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,kernels,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,kernels,compile,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -37,6 +37,9 @@ def main(argv: list[str]) -> int:
         from .dtypes import main as run
     elif name == "gpu":
         from .gpu import main as run
+    elif name == "compile":
+        from jupyter_pagedkv.worker.kernels_bridge import kernel_module
+        run = kernel_module("compile_check").main
     elif name == "kernels":
         from jupyter_pagedkv.worker.kernels_bridge import kernel_module
         run = kernel_module("bench").main

@@ -23,16 +23,19 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 def load_kernels() -> ModuleType:
-    """Import the kernels package (imports Triton); from a checkout, load `kernels/` by path."""
+    """Import the kernels package (imports Triton). The `kernels/` folder beside this package's
+    source wins over an installed copy, so a checkout (a worktree, `PYTHONPATH=.` over another
+    checkout's editable install) runs its own kernels with its own engine; an installed wheel has
+    no such folder and imports `jupyter_pagedkv_kernels` as installed."""
     if KERNELS_PACKAGE in sys.modules:
         return sys.modules[KERNELS_PACKAGE]
-    try:
-        return importlib.import_module(KERNELS_PACKAGE)
-    except ModuleNotFoundError as err:
-        if err.name != KERNELS_PACKAGE:
-            raise
     source = Path(__file__).resolve().parents[2] / "kernels"
     if not (source / "paged_attention.py").exists():
+        try:
+            return importlib.import_module(KERNELS_PACKAGE)
+        except ModuleNotFoundError as err:
+            if err.name != KERNELS_PACKAGE:
+                raise
         raise ModuleNotFoundError(f"{KERNELS_PACKAGE} is not installed and {source} is missing",
                                   name=KERNELS_PACKAGE)
     # kernels/ has no __init__.py (see kernels/README.md): a bare package whose path is the folder
@@ -44,7 +47,8 @@ def load_kernels() -> ModuleType:
 
 
 def kernel_module(name: str) -> ModuleType:
-    """A submodule of the kernels package: "paged_attention", "cache_ops", "reference", "bench"."""
+    """A submodule of the kernels package: "paged_attention", "cache_ops", "reference", "bench",
+    "variants", "compile_check"."""
     return importlib.import_module(f"{load_kernels().__name__}.{name}")
 
 
@@ -94,6 +98,30 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Ten
 def copy_blocks_triton(k: torch.Tensor, v: torch.Tensor, pairs) -> None:
     """Same contract as `KVCache.copy_blocks` on the whole-cache tensors `[layers, blocks, ...]`."""
     kernel_module("cache_ops").copy_blocks(k, v, pairs)
+
+
+def _attention_shape(kv_spec, num_heads: int, block_size: int, window: int | None):
+    return kernel_module("variants").AttentionShape(num_heads, kv_spec.num_kv_heads, kv_spec.head_dim,
+                                                    kv_spec.dtype, block_size, window)
+
+
+def kernel_variants(kv_spec, num_heads: int, block_size: int, window: int | None) -> list[str]:
+    """One line per compiled kernel variant an engine with this cache can launch (what
+    `warm_up_kernels` compiles): its role and constexprs. The split count, batch size, context,
+    GQA group and block size are runtime arguments, so this list does not grow with the load."""
+    shape = _attention_shape(kv_spec, num_heads, block_size, window)
+    return [f"{role}: {launch.name} " + " ".join(f"{k}={v}" for k, v in launch.constexprs.items())
+            for role, launch in kernel_module("variants").model_launches(shape, "meta", interpreted=False)]
+
+
+def warm_up_kernels(kv_spec, num_heads: int, block_size: int, window: int | None,
+                    device: torch.device | str) -> list[str]:
+    """Launch every kernel variant the engine can hit once, on dummy data on `device`, so none
+    compiles inside a timed run: decode and prefill tiles, each split and not, the split merge,
+    write_kv and copy_blocks. Returns the roles launched. The engine's real tensors need nothing
+    else compiled: every per-step value is an unspecialised runtime argument (paged_attention.py)."""
+    shape = _attention_shape(kv_spec, num_heads, block_size, window)
+    return kernel_module("variants").warm_up(shape, device)
 
 
 if __name__ == "__main__":      # from a source checkout: python -m jupyter_pagedkv.worker.kernels_bridge --smoke

@@ -135,6 +135,61 @@ def test_split_k_decode_matches_reference(kernels):
     assert max_error(out, reference(kernels, b)) <= TOLERANCE[torch.float32]
 
 
+def test_split_counts_are_runtime_arguments_of_one_compiled_kernel(kernels):
+    # decode rows and a prefill chunk, split 2, 3, 5 and 8 ways by the same kernel variant
+    b = make_batch([1, 1, 3], [300, 45, 130], heads=6, kv_heads=2, seed=12)
+    expected = reference(kernels, b)
+    variants = set()
+    for splits in (2, 3, 5, 8):
+        out = run_kernel(kernels, b, num_splits=splits, max_seq_len=300)
+        assert max_error(out, expected) <= TOLERANCE[torch.float32], splits
+        launches = kernels.attention.attention_launches(
+            b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, b.scale,
+            torch.empty_like(b.query), max_seq_len=300, num_splits=splits)
+        assert [launch.args[-2] for launch in launches[:1]] == [splits]   # a runtime argument
+        variants.add(tuple((launch.name, tuple(launch.constexprs.items())) for launch in launches))
+    assert len(variants) == 1
+
+
+def test_offsets_past_2_to_the_31_elements_are_int64(kernels):
+    """Query, output, key and value rows and cache blocks placed 2**31 elements (and more) into one
+    fp16 storage: an int32 token x stride or block x stride would wrap negative. The storage is
+    reserved, not filled: only the few rows written here become resident memory."""
+    span = 2 ** 31 + 2 ** 14
+    try:
+        big = torch.empty(span, dtype=torch.float16, device=DEVICE)
+    except (RuntimeError, MemoryError) as err:       # no 4 GiB of address space to reserve
+        pytest.skip(f"cannot reserve a 4 GiB storage: {err}")
+    g = torch.Generator().manual_seed(13)
+    far = lambda shape, strides, offset: big.as_strided(shape, strides, offset)   # noqa: E731
+    query = far((3, 4, 64), (2 ** 30, 64, 1), 0)                 # token 2 at 2**31
+    out = far((3, 4, 64), (2 ** 30, 64, 1), 1024)
+    k_cache = far((2, 16, 2, 64), (2 ** 31, 128, 64, 1), 4096)    # block 1 at 2**31 + 4096
+    v_cache = far((2, 16, 2, 64), (2 ** 31, 128, 64, 1), 8192)
+    key = far((3, 2, 64), (2 ** 30, 64, 1), 12288)                 # token 2 at 2**31 + 12288
+    for view in (query, k_cache, v_cache, key):
+        view.copy_(torch.randn(view.shape, generator=g).half().to(DEVICE))
+    out.zero_()
+    small = {name: t.cpu().clone() for name, t in
+             dict(query=query, k_cache=k_cache, v_cache=v_cache, key=key).items()}
+    slots = torch.tensor([16 + 3, 5, 16 + 15], device=DEVICE)      # two rows into block 1
+    kernels.cache.write_kv(k_cache, v_cache, key, key, slots)
+    kernels.reference.write_kv(small["k_cache"], small["v_cache"], small["key"], small["key"], slots.cpu())
+    assert torch.equal(k_cache.cpu(), small["k_cache"]) and torch.equal(v_cache.cpu(), small["v_cache"])
+    tables = torch.tensor([[1, 0], [1, 0]], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([20, 5], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    expected = kernels.reference.paged_attention(small["query"].float(), small["k_cache"].float(),
+                                                 small["v_cache"].float(), tables.cpu(), seq_lens.cpu(),
+                                                 starts.cpu(), 0.125)
+    for splits in (1, 2):
+        out.zero_()
+        kernels.attention.paged_attention(query, k_cache, v_cache, tables, seq_lens, starts, 0.125,
+                                          max_seq_len=20, num_splits=splits, out=out)
+        assert max_error(out, expected) <= TOLERANCE[torch.float16], splits
+    del big, query, out, k_cache, v_cache, key
+
+
 def test_split_k_with_prefill_rows_whose_splits_see_no_keys(kernels):
     # the chunk's first rows see only the first split's keys; later splits hold nothing for them
     b = make_batch([40, 1], [40, 100], heads=2, kv_heads=2, seed=8)
@@ -182,6 +237,16 @@ def test_bridge_adapts_paged_metadata_and_strided_queries(kernels):
     out = kernels_bridge.paged_attention_triton(strided_q, b.k_cache, b.v_cache, meta, b.scale, None)
     assert out.shape == b.query.shape
     assert max_error(out, reference(kernels, b)) <= TOLERANCE[torch.float32]
+
+
+def test_warm_up_launches_every_variant_one_engine_can_hit(kernels):
+    from jupyter_pagedkv.worker.kv_cache import KVSpec
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    roles = kernels_bridge.warm_up_kernels(spec, num_heads=6, block_size=16, window=48, device=DEVICE)
+    assert roles == ["decode", "decode split", "merge", "prefill", "prefill split", "write_kv", "copy_blocks"]
+    listed = kernels_bridge.kernel_variants(spec, num_heads=6, block_size=16, window=48)
+    assert [line.split(":")[0] for line in listed] == roles
+    assert all("USE_WINDOW=True" in line for line in listed if "_paged_attention_kernel" in line)
 
 
 # --- cache operations ------------------------------------------------------------------------
