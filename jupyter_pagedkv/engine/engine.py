@@ -118,8 +118,9 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         self._shutdown_listeners: list[Callable[[], None]] = []
         self._loop = StepLoop(self.step, self.scheduler.has_work, self._work, self._loop_died)
         self._monitor_feed = None
-        if graphs:
-            self.warm_up()      # every bucket captured and verified before the first request
+        self.warmed_kernels: list[str] = []        # Triton variants launched by warm_up (CUDA)
+        if self.device.type == "cuda" and backend == "triton":
+            self.warm_up()      # every kernel compiled, every graph captured and verified, before a request
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -303,14 +304,25 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         return self.outputs.output(req)
 
     def warm_up(self) -> int:
-        """Capture every decode bucket's CUDA graph now (CUDA graphs on), each verified against the
-        eager step, so that no request pays for a capture later; returns how many graphs were
-        captured (0 without graphs, or once a mismatch turned them off)."""
-        padded = self.runner.padded
-        if padded is None or not padded.capture:
-            return 0
+        """Compile every Triton kernel variant this engine can launch (CUDA), then capture every
+        decode bucket's CUDA graph (graphs on), each verified against the eager step, so that no
+        request pays for a compile or a capture; returns how many graphs were captured (0 without
+        graphs, or once a mismatch turned them off)."""
         with self._lock, torch.inference_mode():
+            if self.runner.backend == "triton" and self.device.type == "cuda" and not self.warmed_kernels:
+                self.warmed_kernels = self._warm_kernels()
+            padded = self.runner.padded
+            if padded is None or not padded.capture:
+                return 0
             return padded.capture_all()
+
+    def _warm_kernels(self) -> list[str]:
+        """Every variant, for unwindowed layers and (if the model has one) its sliding window."""
+        from ..worker.kernels_bridge import warm_up_kernels
+        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        windows = {None, getattr(text, "sliding_window", None)}
+        return [role for w in sorted(windows, key=lambda w: w or 0)
+                for role in warm_up_kernels(self.spec, text.num_attention_heads, self.block_size, w, self.device)]
 
     # -- background stepping ------------------------------------------------------------------------
     @property

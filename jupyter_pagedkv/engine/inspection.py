@@ -92,6 +92,7 @@ class EngineInspection:
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
                    + _step_loop(self.runner.lean)
                    + (f", {self.runner.prefill_kind}" if self.device.type == "cpu" else "")
+                   + (f", {len(self.warmed_kernels)} Triton kernel launches warmed up" if self.warmed_kernels else "")
                    + _decode_steps(self.runner.padded, self.device.type, self.runner.backend)
                    + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
                       if self.dtype_reason.startswith("auto: ") else ""))

@@ -89,3 +89,11 @@ def test_the_triton_path_is_token_identical_to_transformers_and_counts_one_copy_
     for p, o in zip(prompts, engine.generate(prompts, greedy)):
         assert_same_or_near_tie(MODEL, p, o.token_ids, hf_greedy(MODEL, p, 6, stop_at_eos=False))
     assert {t.h2d_copies for t in engine.step_timings} == {1}
+
+
+def test_the_engine_warms_every_kernel_variant_for_its_layers_with_and_without_the_window(make_engine):
+    # On CUDA `Engine.__init__` does this; here the same launches run in Triton's interpreter.
+    engine = make_engine(tiny_model("mistral-window48"), block_size=16, attention_backend="triton")
+    roles = engine._warm_kernels()
+    once = ["decode", "decode split", "merge", "prefill", "prefill split", "write_kv", "copy_blocks"]
+    assert roles == once + once                 # unwindowed layers, then the windowed ones
