@@ -120,23 +120,23 @@ class ModelRunner:
             table = c.seq.block_table
             end = c.start + c.num_tokens
             ids.extend(c.seq.token_ids[c.start:end])
-            pos = torch.arange(c.start, end)
+            pos = torch.arange(c.start, end)  # host: slot arithmetic, copied below
             positions.extend(range(c.start, end))
             ids_list = table.block_ids[: -(-end // bs)]
-            block_ids = torch.tensor(ids_list, dtype=torch.long)
+            block_ids = torch.tensor(ids_list, dtype=torch.long)  # host: copied below
             prefill_slots.append(block_ids[pos // bs] * bs + pos % bs)
             prefill_info.append(PrefillChunk(q_loc[-1], c.num_tokens, end, block_ids.to(self.device),
                                              _first_if_consecutive(ids_list)))
             q_loc.append(q_loc[-1] + c.num_tokens)
             seq_lens.append(end)
             tables.append(table.block_ids)
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)  # host: copied below
         if prefill_slots:
             slot_mapping = torch.cat([slot_mapping, *prefill_slots])
         max_blocks = max(len(t) for t in tables)
-        padded = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
+        padded = torch.zeros(len(tables), max_blocks, dtype=torch.int32)  # host: copied below
         for i, t in enumerate(tables):
-            padded[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            padded[i, :len(t)] = torch.tensor(t, dtype=torch.int32)  # host: fills the host table
         meta = PagedMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slot_mapping.to(self.device),
@@ -155,8 +155,8 @@ class ModelRunner:
             nd = len(decodes)
             dec_blocks = max(len(t) for t in tables[:nd])
             meta.decode_block_tables = padded[:nd, :dec_blocks].long().to(self.device)
-            lens = torch.tensor(seq_lens[:nd]).view(nd, 1)
-            mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)
+            lens = torch.tensor(seq_lens[:nd]).view(nd, 1)  # host: mask built here, copied below
+            mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)  # host: copied below
             meta.decode_mask = mask.to(self.device)
             # Built once per step, not per layer: an additive mask in the cache's dtype.
             meta.decode_bias = additive_mask(mask, self.kv_cache.spec.dtype).to(self.device)

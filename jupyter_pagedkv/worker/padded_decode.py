@@ -110,12 +110,12 @@ class PaddedDecode:
             flat.extend(row)
             flat.extend([scratch] * (widest - len(row)))
         flat.extend([scratch] * (pad * widest))
-        tables = torch.tensor(flat, dtype=torch.int32).view(size, widest)
+        tables = torch.tensor(flat, dtype=torch.int32).view(size, widest)  # host: copied below
         dev = batch.input_ids.device
-        batch.input_ids[0].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        batch.position_ids[0].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        batch.slot_mapping.copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
-        batch.seq_lens.copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        batch.input_ids[0].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)  # host: copied in
+        batch.position_ids[0].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)  # host: copied in
+        batch.slot_mapping.copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)  # host: copied in
+        batch.seq_lens.copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)  # host: copied in
         # Columns beyond `widest` keep older entries: no sequence's length reaches them.
         batch.block_tables[:, :widest].copy_(tables.to(dev, non_blocking=True))
         if self.backend != "triton":

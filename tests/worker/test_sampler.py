@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.worker.sampler import Sampler
+from jupyter_pagedkv.worker.sampler import Sampler, race
 
 LOGITS = [3.0, 2.6, 2.1, 1.5, 1.2, 0.4, -0.3, -1.0]
 # Each group makes one knob bind: ignoring it, or moving its cut by one token, changes the
@@ -127,6 +127,14 @@ def test_probabilities_match_transformers_warpers():
         ours = Sampler.probabilities(logits, [params] * len(logits))
         assert torch.equal(ours > 0, scores.softmax(-1) > 0), params
         assert torch.allclose(ours, scores.softmax(-1), atol=1e-6), params
+
+
+def test_the_cuts_and_the_draw_stay_on_the_logits_device():
+    """With logits on the `meta` device (a stand-in for CUDA here), a CPU tensor anywhere in the
+    cuts or the race raises."""
+    probs = Sampler.probabilities(torch.empty(len(GROUPS), 50, device="meta"), GROUPS)
+    assert probs.device.type == "meta"
+    assert race(probs, torch.empty_like(probs)).device.type == "meta"
 
 
 def _steps(vocab: int = 64, steps: int = 6) -> list[torch.Tensor]:
