@@ -62,9 +62,11 @@ class BeamSearch:
         self.num_candidates = max(2, 1 + len(self.eos)) * self.width
         self.max_new_tokens = min(params.max_tokens, max_model_len - prompt_len)
         self.num_generated = 0
-        self.running_scores = torch.zeros(1)                    # of the live beams, best first
-        self.finished_scores = torch.full((self.width,), _MASK)
-        self.finished_flags = torch.zeros(self.width, dtype=torch.bool)
+        # Selection state is small and read by the host every step: it lives there, and only the
+        # top candidates of the device's logits come over (see select).
+        self.running_scores = torch.zeros(1)  # host: of the live beams, best first
+        self.finished_scores = torch.full((self.width,), _MASK)  # host: selection state
+        self.finished_flags = torch.zeros(self.width, dtype=torch.bool)  # host: selection state
         self.finished_tokens: list[list[int] | None] = [None] * self.width
         self.improvable = True     # transformers' "early stop heuristic unsatisfied", sticky False
         self.done = False
@@ -88,13 +90,15 @@ class BeamSearch:
         Records newly finished hypotheses and returns the next beams as (parent index, token),
         best first; empty once the search is done."""
         width, vocab = self.width, logits.shape[-1]
-        log_probs = torch.log_softmax(logits.float(), dim=-1) + self.running_scores[:, None]
+        running = self.running_scores.to(logits.device)[:, None]
+        log_probs = torch.log_softmax(logits.float(), dim=-1) + running
         top_scores, top_index = torch.topk(log_probs.reshape(-1), self.num_candidates)
+        top_scores, top_index = top_scores.cpu(), top_index.cpu()
         parents = (top_index // vocab).tolist()
         tokens = (top_index % vocab).tolist()
         gen = self.num_generated + 1
         at_limit = gen >= self.max_new_tokens
-        hits = torch.tensor([at_limit or t in self.eos for t in tokens])
+        hits = torch.tensor([at_limit or t in self.eos for t in tokens])  # host: selection state
 
         # Next live beams: the best B continuations that did not just finish.
         masked = top_scores + hits.to(torch.float32) * _MASK
@@ -107,7 +111,7 @@ class BeamSearch:
         closed = bool(self.finished_flags.all()) and self.params.early_stopping is True
         penalised += float(closed) * _MASK
         penalised += float(not self.improvable) * _MASK
-        just = hits & (torch.arange(self.num_candidates) < width)
+        just = hits & (torch.arange(self.num_candidates) < width)  # host: selection state
         penalised += (~just) * _MASK
         merged = torch.cat((self.finished_scores, penalised))
         best = torch.topk(merged, width).indices.tolist()

@@ -113,7 +113,7 @@ class DraftModelDrafter:
         self.owns_model = owns_model
         self.runner = ModelRunner(model, self.kv_cache, device, backend, pack_weights,
                                   hold_weights=pack_weights and hold_weights)
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=device)
         if seed is not None:
             self.generator.manual_seed(seed)
         else:

@@ -38,12 +38,12 @@ def verify_sampled(target_logits: torch.Tensor, drafts: list[int], draft_probs: 
     out: list[int] = []
     for i, d in enumerate(drafts):
         q_d = float(draft_probs[i, d]) if draft_probs is not None else 1.0
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=p.device))
         if u * q_d < float(p[i, d]):
             out.append(d)
             continue
         if draft_probs is not None:
-            residual = (p[i] - draft_probs[i].to(p.dtype)).clamp_(min=0.0)
+            residual = (p[i] - draft_probs[i].to(p.device, p.dtype)).clamp_(min=0.0)
         else:
             residual = p[i].clone()
             residual[d] = 0.0

@@ -100,7 +100,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights, padded,
                                   self.hold_weights, config.step_loop, config.prefill_attention,
                                   config.decode_attention)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
         self.eos_token_ids = setup.eos_token_ids(model, tokenizer)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler)
         self._lock = threading.RLock()
@@ -207,7 +207,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
                            extra_key=("tenant", tenant) if self.prefix_cache_scope == "tenant" else None,
                            tenant=tenant)
             if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed)
+                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
             req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now), beam=beam, tenant=tenant)
             if listener is not None:
                 req.listeners.append(listener)

@@ -26,7 +26,8 @@ def fork_samples(req: Request, seq: Sequence, scheduler: Scheduler) -> list[Sequ
         child.sample_index = i
         if seq.params.seed is not None:
             # Sample i of seed s is reproducible on its own, whatever else runs.
-            child.generator = torch.Generator().manual_seed(hash((seq.params.seed, i)) & (2**63 - 1))
+            child.generator = torch.Generator(device=seq.generator.device).manual_seed(
+                hash((seq.params.seed, i)) & (2**63 - 1))
         scheduler.add_running(child)
         req.seqs.append(child)
     return list(req.seqs)

@@ -256,12 +256,14 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             body["return_token_ids"] = True
             if params.top_k > 0:
                 body["top_k"] = params.top_k
+            if params.min_p > 0:
+                body["min_p"] = params.min_p
             if params.ignore_eos:
                 body["ignore_eos"] = True
             if params.stop_token_ids:
                 body["stop_token_ids"] = list(params.stop_token_ids)
-        elif params.top_k > 0 or params.ignore_eos or params.stop_token_ids:
-            raise ValueError("top_k, ignore_eos and stop_token_ids need a vLLM server")
+        elif params.top_k > 0 or params.min_p > 0 or params.ignore_eos or params.stop_token_ids:
+            raise ValueError("top_k, min_p, ignore_eos and stop_token_ids need a vLLM server")
         return body
 
     def _run(self, req: RemoteRequest, body: dict, chat: bool) -> None:

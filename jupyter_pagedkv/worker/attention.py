@@ -249,7 +249,7 @@ def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: t
 
 def _causal_mask(ctx_start: int, q_len: int, ctx_len: int) -> torch.Tensor:
     """Query i (at position ctx_start + i) may see keys 0 .. ctx_start + i."""
-    return torch.arange(ctx_len).view(1, -1) <= torch.arange(ctx_start, ctx_start + q_len).view(-1, 1)
+    return torch.arange(ctx_len).view(1, -1) <= torch.arange(ctx_start, ctx_start + q_len).view(-1, 1)  # host: callers .to() it
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

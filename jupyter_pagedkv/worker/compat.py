@@ -72,8 +72,9 @@ def _causal(mask, q_len: int, k_len: int) -> bool:
     visible = mask if mask.dtype == torch.bool else mask == 0
     if not mask.dtype == torch.bool and not torch.all((mask == 0) | torch.isinf(mask)):
         return False                    # a bias of real values: not a mask at all
-    causal = torch.arange(k_len).view(1, -1) <= torch.arange(k_len - q_len, k_len).view(-1, 1)
-    return bool(torch.all(visible.reshape(-1, *visible.shape[-2:]) == causal.to(visible.device)))
+    keys = torch.arange(k_len, device=mask.device)
+    causal = keys.view(1, -1) <= torch.arange(k_len - q_len, k_len, device=mask.device).view(-1, 1)
+    return bool(torch.all(visible.reshape(-1, *visible.shape[-2:]) == causal))
 
 
 def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -32,7 +32,7 @@ def is_placeholder(weight: torch.Tensor) -> bool:
 def unpack(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """The plain `[out, in]` weight a oneDNN-packed copy was made from, bit for bit."""
     with torch.no_grad():
-        eye = torch.eye(in_features, dtype=packed.dtype)
+        eye = torch.eye(in_features, dtype=packed.dtype)  # host: oneDNN packs CPU weights only
         return torch.ops.mkldnn._linear_pointwise(eye, packed, None, "none", [], "").t().contiguous()
 
 

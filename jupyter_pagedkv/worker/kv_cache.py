@@ -18,8 +18,7 @@ class KVSpec:
     @property
     def bytes_per_token(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype) -> KVSpec:
@@ -71,25 +70,25 @@ class KVCache:
         pin = self.k.device.type == "cuda"
         shape = (self.spec.num_layers, num_slots, self.block_size, self.spec.num_kv_heads,
                  self.spec.head_dim)
-        self.host_k = torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin)
-        self.host_v = torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin)
+        self.host_k = torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin)  # host: swap space
+        self.host_v = torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin)  # host: swap space
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host slots: pairs of (block, slot)."""
         if pairs:
             blocks = torch.tensor([p[0] for p in pairs], device=self.k.device)
-            slots = torch.tensor([p[1] for p in pairs])
+            slots = torch.tensor([p[1] for p in pairs])  # host: indexes host_k
             self.host_k[:, slots] = self.k[:, blocks].to("cpu")
             self.host_v[:, slots] = self.v[:, blocks].to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host slots back into device blocks: pairs of (slot, block)."""
         if pairs:
-            slots = torch.tensor([p[0] for p in pairs])
+            slots = torch.tensor([p[0] for p in pairs])  # host: indexes host_k
             blocks = torch.tensor([p[1] for p in pairs], device=self.k.device)
             self.k[:, blocks] = self.host_k[:, slots].to(self.k.device, non_blocking=True)
             self.v[:, blocks] = self.host_v[:, slots].to(self.k.device, non_blocking=True)
 
     def release(self) -> None:
         """Drop the tensors so their memory returns to the allocator (unload)."""
-        self.k = self.v = self.host_k = self.host_v = torch.empty(0)
+        self.k = self.v = self.host_k = self.host_v = torch.empty(0)  # host: an empty placeholder

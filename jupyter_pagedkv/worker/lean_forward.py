@@ -195,7 +195,7 @@ def plan(model, packed: PackedLinears) -> tuple[LeanForward | None, str]:
     if problem is not None:
         return None, f"the model's own forward ({problem})"
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(0)  # host: the same probe ids on every device
     ids = torch.randint(0, model.config.vocab_size, (1, _PROBE_TOKENS), generator=generator).to(device)
     positions = torch.arange(_PROBE_TOKENS, device=device).view(1, -1)
     keep = torch.arange(_PROBE_TOKENS, device=device)

@@ -329,7 +329,7 @@ class PackedLinears:
                 if len(members) > 1 and not any("_pagedkv_group" in m.__dict__ for m in members)
                 and len({(m.weight.dtype, m.in_features) for m in members}) == 1]
         size = max((sum(m.weight.numel() for m in members) for members in sets), default=0)
-        scratch = torch.empty(size, dtype=sets[0][0].weight.dtype) if sets else None
+        scratch = torch.empty(size, dtype=sets[0][0].weight.dtype) if sets else None  # host: CPU-only packing
         for members in sets:
             group = _Group(members)
             group._repack(scratch)

@@ -48,7 +48,7 @@ def plan(mode: str, device: torch.device, backend: str, dtype: torch.dtype, head
     if problem is None:
         try:
             module = load_kernel()
-            if not module.supports(torch.empty(0, dtype=dtype)):
+            if not module.supports(torch.empty(0, dtype=dtype)):  # host: a CPU kernel's dtype probe
                 problem = f"this CPU lacks AVX-512{' BF16' if dtype == torch.bfloat16 else ''}"
         except NativeBuildError as err:
             problem = str(err)

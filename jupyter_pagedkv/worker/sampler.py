@@ -1,10 +1,24 @@
-"""Sampler: logits of each sampling sequence -> its next token.
+"""Sampler: the logits of a step's sampling rows -> their next tokens, on the logits' device.
 
-Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then draw from
-the sequence's own torch.Generator when it has a seed, so a seeded request draws the same
-tokens whatever else shares its batch.
+Greedy rows take the argmax of the logits (as before). Random rows go through temperature, then
+top-k, then top-p, then min-p (transformers' order; vLLM applies min-p before top-k/top-p, which
+differs only when top-p and min-p are both set), batched over the whole `[rows, vocab]` with the
+per-row knobs as one tensor on the logits' device. The draw is the exponential race: token =
+argmax(p / E) with E ~ Exp(1) per vocabulary entry, which picks token i with probability p_i,
+for every row in one argmax. Only the final `.tolist()` waits for the device: one sync a step.
+
+Seeded rows stay reproducible whatever shares their batch because each draws its E row from its
+own generator (on the logits' device; one `vocab`-sized draw a step, so its stream never depends
+on the batch), while unseeded rows take theirs from the engine's generator in one call. This was
+chosen over a generator per row for everything (one kernel per unseeded row) and over hashing
+(seed, step) into noise (more code for the same result). On the CPU, `torch.multinomial(p, 1)` is
+this same race over the same `vocab` draws, so a seeded row's tokens are those of the earlier
+per-row multinomial sampler (checked on torch 2.13); unseeded rows now share one draw, so their
+(unreproducible anyway) tokens differ. On CUDA, seeded tokens are the race's on that device.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -12,8 +26,9 @@ from ..core.sequence import Sequence
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
-        self.generator = torch.Generator()
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
@@ -21,33 +36,70 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         logits = logits.float()
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if not random_rows:
-            return tokens
-        rows = torch.tensor(random_rows)
-        probs = self.probabilities(logits[rows], [seqs[i].params for i in random_rows])
-        for j, i in enumerate(random_rows):
-            gen = seqs[i].generator or self.generator
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen))
-        return tokens
+        if random_rows:
+            everyone = len(random_rows) == len(seqs)
+            rows = None if everyone else upload(random_rows, torch.long, logits.device)
+            picked = logits if everyone else logits[rows]
+            probs = self.probabilities(picked, [seqs[i].params for i in random_rows])
+            drawn = race(probs, self._noise(probs, [seqs[i].generator for i in random_rows]))
+            tokens = drawn if everyone else tokens.index_copy(0, rows, drawn)
+        return tokens.tolist()
+
+    def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """E ~ Exp(1) per entry: all rows from the engine's generator in one call, then each
+        seeded row redrawn from its own generator."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        return noise
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:
-        """Temperature, then top-k, then top-p (nucleus) on `[rows, vocab]`; returns probabilities."""
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
-        logits = logits / temps
-        top_ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
-        top_ps = [p.top_p for p in params]
-        if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
+        """Temperature, then top-k, then top-p (nucleus), then min-p on `[rows, vocab]`; returns
+        probabilities. Each cut is skipped (no sort) when no row asks for it."""
+        rows, vocab = logits.shape
+        knobs = upload([[p.temperature, p.top_k if p.top_k > 0 else vocab, p.top_p,
+                         math.log(p.min_p) if p.min_p > 0 else -math.inf] for p in params],
+                       logits.dtype, logits.device)
+        temps, top_ks, top_ps, log_min_ps = knobs.unbind(dim=1)
+        logits = logits / temps.unsqueeze(1)
+        cut_k = any(0 < p.top_k < vocab for p in params)
+        cut_p = any(p.top_p < 1.0 for p in params)
+        cut_min = any(p.min_p > 0.0 for p in params)
+        if cut_k or cut_p or cut_min:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(logits.shape[1]).unsqueeze(0)
-            sorted_logits = sorted_logits.masked_fill(ranks >= torch.tensor(top_ks).unsqueeze(1),
-                                                      float("-inf"))
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            cut = mass_before >= torch.tensor(top_ps, dtype=logits.dtype).unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+            if cut_k:
+                ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+                sorted_logits = sorted_logits.masked_fill(ranks >= top_ks.unsqueeze(1), float("-inf"))
+            if cut_p:
+                # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+                sorted_probs = sorted_logits.softmax(dim=-1)
+                mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+                cut = (mass_before >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
+                sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+            if cut_min:
+                # p_i < min_p * p_max, read as a logit gap: renormalising after the cuts above
+                # changes no ratio, and the most likely token (column 0) always stays.
+                gap = sorted_logits - sorted_logits[:, :1]
+                sorted_logits = sorted_logits.masked_fill(gap < log_min_ps.unsqueeze(1), float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         return logits.softmax(dim=-1)
+
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On CUDA it goes through pinned memory with a
+    non-blocking copy: a copy from pageable memory would first wait for the queued forward."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(p / E) per row: token i wins with probability p_i when E is i.i.d. Exp(1).
+
+    E is floored at the smallest normal float so that an exact 0 from the generator cannot make
+    0 / 0 = nan for a token cut to probability 0."""
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

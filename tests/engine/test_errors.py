@@ -56,6 +56,9 @@ def test_bad_request_is_a_clear_error_and_the_engine_survives(engine, bad, messa
     (dict(stop=""), "non-empty"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(top_k=1.5), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=float("nan")), "min_p"),
 ])
 def test_bad_sampling_params_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
