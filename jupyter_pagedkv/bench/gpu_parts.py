@@ -74,11 +74,16 @@ COMPILE_CHECK = "compile_check"
 
 
 def device_arch() -> str:
-    """The compute capability to compile for: the device's, or sm_90 (H100/H200) without one."""
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(0)
-        return f"{major}{minor}"
-    return "90"
+    """The compute capability to compile for: the device's, or sm_90 (H100/H200) without one.
+    Read through nvidia-smi, so this process never starts CUDA before the compile check forks
+    its workers (a forked child cannot use CUDA its parent started)."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        cap = smi.stdout.strip().splitlines()[0].strip() if smi.returncode == 0 and smi.stdout.strip() else ""
+    except (OSError, subprocess.TimeoutExpired):
+        cap = ""
+    return cap.replace(".", "") if cap.replace(".", "").isdigit() else "90"
 
 
 def compile_kernels(report: Report, smoke: bool) -> None:
@@ -223,7 +228,9 @@ THRESHOLD = 1e-3
 def _generate(model, backend: str, prompts: list[list[int]], params) -> list[list[int]]:
     from ..engine.engine import Engine
 
-    engine = Engine(model, attention_backend=backend, kv_cache_memory="256MiB", pack_weights=False)
+    # As many rows as the batch: graph buckets (captured and verified at build on CUDA) only for it.
+    engine = Engine(model, attention_backend=backend, kv_cache_memory="256MiB", pack_weights=False,
+                    max_num_seqs=max(1, len(prompts)))
     try:
         outs = engine.generate(prompts, params)
         engine.check_invariants()

@@ -306,23 +306,31 @@ class Engine(Stepping, EngineInspection, GenerationFront):
     def warm_up(self) -> int:
         """Compile every Triton kernel variant this engine can launch (CUDA), then capture every
         decode bucket's CUDA graph (graphs on), each verified against the eager step, so that no
-        request pays for a compile or a capture; returns how many graphs were captured (0 without
-        graphs, or once a mismatch turned them off)."""
-        with self._lock, torch.inference_mode():
+        request pays for a compile or a capture; returns how many verified graphs the engine holds
+        (0 without graphs, or once a mismatch turned them off), however many calls captured them."""
+        with self._lock, torch.inference_mode(), self.runner.on_device():
             if self.runner.backend == "triton" and self.device.type == "cuda" and not self.warmed_kernels:
                 self.warmed_kernels = self._warm_kernels()
             padded = self.runner.padded
             if padded is None or not padded.capture:
                 return 0
-            return padded.capture_all()
+            padded.capture_all()
+            return padded.num_verified if padded.capture else 0
 
     def _warm_kernels(self) -> list[str]:
-        """Every variant, for unwindowed layers and (if the model has one) its sliding window."""
-        from ..worker.kernels_bridge import warm_up_kernels
+        """Every variant, for each window the model's layers use (None: unwindowed), on dummy data;
+        then copy_blocks once on the real cache, whose layer stride alone may need 64 bits."""
+        from ..worker.kernels_bridge import copy_blocks_triton, warm_up_kernels
         text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
-        windows = {None, getattr(text, "sliding_window", None)}
-        return [role for w in sorted(windows, key=lambda w: w or 0)
-                for role in warm_up_kernels(self.spec, text.num_attention_heads, self.block_size, w, self.device)]
+        # Layers pass their window as an attribute (Qwen2, Gemma) or from the config (Mistral).
+        windows = {getattr(m, "sliding_window", None) for m in self.model.modules() if hasattr(m, "layer_idx")}
+        if getattr(text, "use_sliding_window", True) is not False:
+            windows.add(getattr(text, "sliding_window", None))
+        windows = {w if isinstance(w, int) and w > 0 else None for w in windows} | {None}
+        roles = [role for w in sorted(windows, key=lambda w: w or 0)
+                 for role in warm_up_kernels(self.spec, text.num_attention_heads, self.block_size, w, self.device)]
+        copy_blocks_triton(self.kv_cache.k, self.kv_cache.v, [(0, 0)])    # block 0 onto itself: no change
+        return roles + ["copy_blocks on the cache"]
 
     # -- background stepping ------------------------------------------------------------------------
     @property

@@ -1,6 +1,7 @@
 """ModelRunner: one scheduler step -> one flat forward pass -> logits at the sampling positions."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -174,12 +175,23 @@ class ModelRunner:
             "paged": meta,
         }
 
-    @torch.inference_mode()
+    def on_device(self):
+        """Make the model's GPU the current one (Triton launches and new streams go to the current
+        device); nothing to do elsewhere."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]],
                 swap_out: list[tuple[int, int]] = (), swap_in: list[tuple[int, int]] = ()
                 ) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run one step; returns the sampling chunks and their logits, in order: `num_logits` rows
         per chunk (one, or k + 1 for a chunk verifying k draft tokens)."""
+        with self.on_device():
+            return self._execute(chunks, copies, swap_out, swap_in)
+
+    @torch.inference_mode()
+    def _execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]],
+                 swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
+                 ) -> tuple[list[ScheduledChunk], torch.Tensor]:
         if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             # Someone (a test, a peer benchmark) switched the model back to another attention.
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)

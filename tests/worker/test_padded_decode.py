@@ -158,6 +158,10 @@ def test_verified_graphs_replay_and_info_says_so(make_engine, monkeypatch):
     engine = graphs_with(make_engine, monkeypatch, skew=0.0)
     assert engine.warm_up() == len(engine.runner.padded.buckets) == 4
     assert "decode steps as CUDA graphs (4 of 4 buckets captured and verified)" in engine.info().summary
+    # Each graph was checked on rows whose contexts reach the longest the buffers hold.
+    padded = engine.runner.padded
+    assert padded._batches[8].seq_lens.tolist()[-1] == padded.max_blocks * 4
+    assert engine.warm_up() == 4                   # a second call captures nothing and still says 4
     prompts = random_prompts(3, 256, seed=31, lo=2, hi=20)
     for p, o in zip(prompts, engine.generate(prompts, GREEDY)):
         assert_same_or_near_tie(MODEL, p, o.token_ids, hf_greedy(MODEL, p, 20, stop_at_eos=False))
