@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from ..core.stats import Throughput
 from ..engine.frontend import GenerationFront, check_messages
 from ..engine.intake import check_tenant
+from . import api_key as api_key_source
 from .cache_salt import check_salt_support, salt_refused
 from .errors import RemoteError
 from .inspection import RemoteInspection
@@ -91,12 +92,13 @@ class RemoteEngine(RemoteInspection, GenerationFront):
     has_chat_template = True   # the server applies the model's own template
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 60.0, kv_events: str | None = None, kv_events_topic: str = "") -> None:
+                 timeout: float = 60.0, kv_events: str | None = None, kv_events_topic: str = "",
+                 api_key_env: str | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         self.scheme, self.host, self.port, self.prefix = _base_url(url)
         self.url = f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
-        self.api_key = api_key
+        self.api_key = api_key_source.for_server(api_key, api_key_env, self.scheme, self.host)   # api_key.py
         self.timeout = timeout
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -130,8 +132,8 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         h = {"Accept": "application/json, text/event-stream"}
         if body:
             h["Content-Type"] = "application/json"
-        if self.api_key:
-            h["Authorization"] = f"Bearer {self.api_key}"
+        if self.api_key is not None:
+            h["Authorization"] = self.api_key.header()
         return h
 
     def _network_error(self, err: BaseException, what: str) -> RemoteError:
@@ -154,7 +156,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             message = body.decode("utf-8", "replace").strip()[:200]
         message = " ".join(str(message).split())
         if status in (401, 403):
-            hint = "pass the server's key with --api-key" if not self.api_key else "check --api-key"
+            hint = f"check {self.api_key}" if self.api_key else "set VLLM_API_KEY to the server's key"
             return RemoteError(f"{self.url} refused the request (HTTP {status}, unauthorized): {hint}")
         if status == 400 and "cache_salt" in message:
             return salt_refused(self.url, getattr(self, "version", None), message)

@@ -30,14 +30,16 @@ def test_generate_stream_and_usage(fake):
     assert not client.live_requests()
 
 
-def test_one_line_errors(fake):
+def test_one_line_errors(fake, monkeypatch):
+    for name in ("VLLM_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
     handler, url = fake
     with pytest.raises(RemoteError, match=r"model 'nope' is not served .* it serves m; pass --model m"):
         Engine.connect(url, model="nope")
     handler.key = "sekret"
-    with pytest.raises(RemoteError, match=r"HTTP 401, unauthorized\): pass the server's key with --api-key"):
+    with pytest.raises(RemoteError, match=r"HTTP 401, unauthorized\): set VLLM_API_KEY to the server's key"):
         Engine.connect(url)
-    with pytest.raises(RemoteError, match="check --api-key"):
+    with pytest.warns(UserWarning), pytest.raises(RemoteError, match=r"check the API key from the notebook"):
         Engine.connect(url, api_key="wrong")
     assert Engine.connect(url, api_key="sekret").model == "m"
     port = url.rsplit(":", 1)[1]
