@@ -40,7 +40,7 @@ SAMPLING_RULES: dict[str, Rule] = {
     "max_tokens": (lambda v: v is None or (is_int(v) and v > 0),
                    "a positive integer (or None: up to the model's context)"),
     "temperature": (lambda v: is_number(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
-    "top_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1] (top_p)"),
+    "top_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
     "top_k": (lambda v: is_int(v) and v >= -1, "-1, 0 (off) or a positive integer"),
     "seed": (lambda v: v is None or (is_int(v) and 0 <= v < _SEED_LIMIT), "an integer in [0, 2**63) or None"),
     "stop": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),

@@ -129,6 +129,42 @@ def test_every_request_is_served_or_refused_in_one_line(engine, prompt, kind, sa
                 assert len(c.token_ids) <= params.max_tokens
 
 
+# One field at a time, every other field valid, so a value that slips through reaches a step.
+# The space is finite (each field x the values below) and smaller than max_examples: hypothesis
+# tries every pair, so no hole depends on luck.
+BAD_VALUES = [None, True, False, 0, -1, 2.5, float("nan"), float("inf"), "2", "", "abc", b"ab", 10 ** 7,
+              2 ** 64, [True, 1], [1.0], (3,), {}, Opaque()]
+GOOD_VALUES = {"max_tokens": [3], "temperature": [0.0, 0.8], "top_p": [0.5], "top_k": [3], "seed": [7],
+               "stop": ["x", ["ab"]], "stop_token_ids": [[2]], "n": [3], "ignore_eos": [True],
+               "speculative": ["ngram", " "], "prompt": ["hi", (5, 6)], "tenant": ["bob"], "priority": [1],
+               "request_id": ["mine"]}
+# (a speculative text other than 'ngram' names a draft model to load: not tried here)
+FIELD_VALUES = [(name, v) for name in sorted(GOOD_VALUES) for v in BAD_VALUES + GOOD_VALUES[name]
+                if not (name == "speculative" and isinstance(v, str) and v.strip() and v != "ngram")]
+
+
+@settings(PROPERTY, max_examples=500)
+@given(pair=st.sampled_from(FIELD_VALUES))
+def test_any_value_in_any_one_field_is_served_or_refused_in_one_line(engine, pair):
+    name, value = pair
+    base = {"max_tokens": 2, "temperature": 0.0}
+    request = {"prompt": [5, 6, 7], "tenant": None, "priority": 0, "request_id": None}
+    (request if name in request else base)[name] = value
+    try:
+        params = SamplingParams(**base)
+        rid = engine.add_request(request["prompt"], params, request_id=request["request_id"],
+                                 priority=request["priority"], tenant=request["tenant"])
+        out = engine._wait([rid])[0]
+    except ValueError as err:
+        assert type(err) is ValueError, f"{type(err).__name__}: {err}"
+        assert_one_line(err)
+        assert_nothing_left(engine)
+        return
+    assert_nothing_left(engine)
+    assert out.finished and len(out.outputs) == params.n
+    assert all(len(c.token_ids) <= params.max_tokens for c in out.outputs)
+
+
 @settings(PROPERTY, max_examples=100)
 @given(conversation=st.one_of(st.lists(message, max_size=3), st.lists(st.lists(message, max_size=2), max_size=2),
                               junk),
