@@ -48,6 +48,9 @@ demo: $(VENV)/.base
 # then skip and say why (`make test PEERS=0` skips the attempt). In CI (CI=1) it must succeed.
 PEERS ?= 1
 
+EXACTNESS_TESTS := tests/engine/test_exactness.py tests/engine/test_exactness_long.py \
+	tests/engine/test_exactness_prefill.py tests/engine/test_dtypes.py
+
 # pytest's testpaths are tests/ and notebooks/ (nbval, --nbval-lax: see pyproject.toml).
 test: $(VENV)/.test
 ifeq ($(PEERS),1)
@@ -58,6 +61,9 @@ else
 endif
 endif
 	$(BIN)/python -m pytest -q
+	@# The exactness tests again with every C++ kernel stood down (worker/native_switch.py), so the
+	@# fallbacks most laptops run (SDPA, the Python step loop) are checked on every machine too.
+	JUPYTER_PAGEDKV_NATIVE=0 $(BIN)/python -m pytest -q $(EXACTNESS_TESTS)
 	$(MAKE) --no-print-directory gpu-rehearsal
 
 bench: $(VENV)/.base

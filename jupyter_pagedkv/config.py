@@ -8,17 +8,32 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 40
+
+
+def show(value: Any) -> str:
+    """A value as an error quotes it: short, on one line (core.sampling_params.show's twin; config
+    sits beside core and may not import it)."""
+    return " ".join(_SHORT.repr(value).split())
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 
 
 def parse_size(size: str | int) -> int:
     """'512MiB', '1GiB', '1.5GB' or an int of bytes -> bytes."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"a size is text like '512MiB' or a number of bytes, got {show(size)}")
     if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"a size cannot be negative, got {size}")
         return size
-    m = _SIZE.match(str(size))
+    m = _SIZE.match(size)
     if not m:
         raise ValueError(f"cannot read size {size!r}: write it like '512MiB' or '2GiB'")
     unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
@@ -116,7 +131,11 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Reject a bad option with one line that says what to pass instead."""
+        """Reject a bad option with one line that says what to pass instead: first its type, read
+        from the field's annotation (a bool is not an int), then its choices and bounds."""
+        for f in fields(self):
+            if not _has_type(getattr(self, f.name), f.type):
+                raise ValueError(f"{f.name} must be {_TYPE_WORDS[f.type]}, got {show(getattr(self, f.name))}")
         for f in fields(self):
             choices = f.metadata["choices"]
             if choices and getattr(self, f.name) not in choices:
@@ -133,7 +152,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         for name in ("kv_cache_memory", "swap_space"):
             if getattr(self, name) is not None:
-                parse_size(getattr(self, name))
+                try:
+                    parse_size(getattr(self, name))
+                except ValueError as err:
+                    raise ValueError(f"{name}: {err}") from None
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed}")
 
     def replace(self, **options: Any) -> EngineConfig:
         """A copy with some options changed; an unknown option is a TypeError naming it."""
@@ -142,6 +166,27 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))} "
                             f"(known: {', '.join(f.name for f in fields(self))})")
         return dataclasses.replace(self, **options)
+
+
+# What each annotation used above accepts, and how an error names it ("Any": checked elsewhere).
+_TYPES: dict[str, tuple] = {
+    "int": (int,), "int | None": (int, None), "str": (str,), "str | None": (str, None),
+    "bool": (bool,), "bool | None": (bool, None), "str | int | None": (str, int, None), "Any": (object,),
+}
+_TYPE_WORDS = {"int": "an integer", "int | None": "an integer or None", "str": "text",
+               "str | None": "text or None", "bool": "True or False", "bool | None": "True, False or None",
+               "str | int | None": "a size such as '512MiB', a number of bytes, or None", "Any": "anything"}
+
+
+def _has_type(value: Any, annotation: str) -> bool:
+    kinds = _TYPES[annotation]
+    if object in kinds:
+        return True
+    if value is None:
+        return None in kinds
+    if isinstance(value, bool):
+        return bool in kinds
+    return any(k is not None and k is not bool and isinstance(value, k) for k in kinds)
 
 
 def _flag(f: dataclasses.Field) -> str:

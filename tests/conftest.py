@@ -30,14 +30,34 @@ _hypothesis_settings.load_profile("replayable")
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
+def _fail_skip_in_ci(report) -> None:
+    """A skipped report becomes a failure that says what was missing."""
     if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every capability must run: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
+
+
+def pytest_collection_modifyitems(items):
+    """A notebook runs all its cells as one nbval item each, in one kernel started by the first:
+    they get the long limit the browser and server tests have (pytest-timeout)."""
+    for item in items:
+        if item.nodeid.split("::")[0].endswith(".ipynb"):
+            item.add_marker(pytest.mark.timeout(1200))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips while it is collected (`pytest.skip(allow_module_level=True)`,
+    `pytest.importorskip` at module level) fails in CI too, like a test that skips."""
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
 
 
 def assert_same_or_near_tie(model, prompt: list[int], ours: list[int], ref: list[int]) -> bool:

@@ -61,6 +61,24 @@ def tiny_model(arch: str, vocab: int = 256, seed: int = 0):
     return model.eval()
 
 
+def byte_tokenizer():
+    """A 256-token byte-level tokenizer built in code (one token per byte, no merges) with a small
+    chat template, so tests reach text and chat prompts on a tiny model without a download. Ids
+    1 and 2 are BOS and EOS, as in `tiny_model`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=alphabet[0], bos_token=alphabet[1],
+                                  eos_token=alphabet[2])
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tok
+
+
 def shaped_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                  num_layers: int | None = None, seed: int = 0, sharpen: bool = False):
     """A Llama-architecture model with a real model's shapes and random weights, built directly

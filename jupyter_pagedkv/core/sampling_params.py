@@ -1,8 +1,96 @@
-"""What a caller asks of one request: how to pick tokens and when to stop (vLLM's names)."""
+"""What a caller asks of one request: how to pick tokens and when to stop (vLLM's names).
+
+Every field is checked against one rule in a table (`SAMPLING_RULES`, `BEAM_RULES`): exact types
+(a bool is not an int, "2" is not a number), then bounds; a failure is one ValueError line that
+names the field and says what to pass. A new field adds one row. Limits that depend on an engine
+(its vocabulary, context, pool and `max_num_seqs`) are checked when a request is added
+(`engine/intake.py`)."""
 from __future__ import annotations
 
+import logging
 import math
+import reprlib
 from dataclasses import dataclass, field
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+# A field's rule: (does the value pass, what to pass instead).
+Rule = tuple[Callable[[Any], bool], str]
+_SEED_LIMIT = 2 ** 63   # torch.Generator.manual_seed takes less than 2**64; forks hash into 2**63
+
+
+def is_int(x: Any) -> bool:
+    """A Python int that is not a bool (True is not a count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: Any) -> bool:
+    """A finite real number: int or float, neither bool, nan nor infinite."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _speculative(v: Any) -> bool:
+    return v is None or v is False or (isinstance(v, str) and bool(v.strip()))
+
+
+SPECULATIVE = (_speculative, "None (the engine's default), False (off), 'ngram' or a draft model id/path")
+
+SAMPLING_RULES: dict[str, Rule] = {
+    "max_tokens": (lambda v: v is None or (is_int(v) and v > 0),
+                   "a positive integer (or None: up to the model's context)"),
+    "temperature": (lambda v: is_number(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+    "top_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: is_int(v) and v >= -1, "-1, 0 (off) or a positive integer"),
+    "min_p": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1] (0 = off)"),
+    "seed": (lambda v: v is None or (is_int(v) and 0 <= v < _SEED_LIMIT), "an integer in [0, 2**63) or None"),
+    "stop": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+             "non-empty text or a list of non-empty texts (drop an empty one)"),
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(is_int(t) and t >= 0 for t in v),
+                       "a list of token ids (integers >= 0)"),
+    "n": (lambda v: is_int(v) and v >= 1, "a positive integer (samples per prompt, at most the engine's "
+                                          "max_num_seqs)"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
+    "speculative": SPECULATIVE,
+}
+
+BEAM_RULES: dict[str, Rule] = {
+    "beam_width": (lambda v: is_int(v) and v >= 1, "a positive integer (at most the engine's max_num_seqs)"),
+    "max_tokens": (lambda v: is_int(v) and v > 0, "a positive integer"),
+    "length_penalty": (is_number, "a finite number"),
+    "early_stopping": (lambda v: v is True or v is False or v == "never", "True, False or 'never'"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
+    "speculative": SPECULATIVE,
+}
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 40
+_SHOW.maxlist = _SHOW.maxtuple = 6
+
+
+def show(value: Any) -> str:
+    """A value as an error message quotes it: short and on one line, whatever it is."""
+    try:
+        text = _SHOW.repr(value)
+    except Exception:   # a repr that raises still gets a one-line error
+        logger.debug("repr of a %s raised", type(value).__name__, exc_info=True)
+        text = f"<{type(value).__name__}>"
+    return " ".join(text.split())
+
+
+def check_fields(obj: Any, rules: dict[str, Rule]) -> None:
+    """The first field that breaks its rule, as one ValueError line."""
+    for name, (ok, what) in rules.items():
+        value = getattr(obj, name)
+        if not ok(value):
+            raise ValueError(f"{name} must be {what}, got {show(value)}")
+
+
+def _as_list(value: Any) -> Any:
+    """None -> [], a tuple -> a list; anything else as it is (its rule then refuses it)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 @dataclass
@@ -26,35 +114,13 @@ class SamplingParams:
     speculative: str | bool | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
+        self.stop_token_ids = _as_list(self.stop_token_ids)
         self.validate()
 
     def validate(self) -> None:
         """Reject nonsense early, with a message that says what to pass instead."""
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
-            raise ValueError(f"max_tokens must be a positive integer (or None: up to the model's context), "
-                             f"got {self.max_tokens!r}")
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty text, got {self.stop!r}: drop the empty one")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if not (self.speculative is None or isinstance(self.speculative, (bool, str))) or \
-                self.speculative == "":
-            raise ValueError(f"speculative must be None, False, 'ngram' or a draft model id/path, "
-                             f"got {self.speculative!r}")
+        check_fields(self, SAMPLING_RULES)
 
     @property
     def greedy(self) -> bool:
@@ -78,16 +144,4 @@ class BeamSearchParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        if not _finite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
-
-
-def _finite(x) -> bool:
-    """A real number that is neither nan nor infinite (bools are not numbers here)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        check_fields(self, BEAM_RULES)

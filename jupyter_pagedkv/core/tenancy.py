@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
+from .sampling_params import show
+
 if TYPE_CHECKING:
     from .block_pool import BlockPool
     from .sequence import Sequence
@@ -123,11 +125,11 @@ class Tenancy:
 def check_spec(name: object, weight: object, max_blocks: object) -> None:
     """One clear line for each way a tenant's spec can be wrong."""
     if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"tenant must be a non-empty string such as 'alice', got {name!r}")
+        raise ValueError(f"tenant must be a non-empty string such as 'alice', got {show(name)}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
         raise ValueError(f"tenant {name!r}: weight must be a positive number (its share is weight / "
-                         f"sum of weights), got {weight!r}")
+                         f"sum of weights), got {show(weight)}")
     if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
                                    or max_blocks < 1):
         raise ValueError(f"tenant {name!r}: max_blocks must be a positive whole number of blocks "
-                         f"(or None for no cap), got {max_blocks!r}")
+                         f"(or None for no cap), got {show(max_blocks)}")

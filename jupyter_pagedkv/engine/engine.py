@@ -179,13 +179,12 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         `listener` receives the request's StreamDeltas from its first token on; attaching it here,
         under the lock, means a background step can never run before it is in place. With
         BeamSearchParams the request is a beam search (published once, when it finishes)."""
-        params = params or SamplingParams()
-        params.validate()
+        params = intake.check_params(params)
+        intake.check_request_fields(request_id, priority)
+        intake.check_parallel(params, self.scheduler.max_num_seqs)
         if self.allocator == "contiguous" and (isinstance(params, BeamSearchParams) or params.n > 1):
             raise ValueError("the contiguous baseline cannot share a prompt between samples or beams: "
                              "use n=1 without beams, or allocator='paged'")
-        if isinstance(getattr(params, "speculative", None), str):
-            self.add_drafter(params.speculative)   # a draft model named per request loads once
         text, ids = intake.tokenize(self.tokenizer, prompt, self.vocab_size)
         beam = None
         if isinstance(params, BeamSearchParams):
@@ -196,6 +195,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         intake.check_fits(ids, params, self.max_model_len, self.block_size, self.pool.num_blocks)
         intake.check_stop_ids(params, self.vocab_size)
         tenant = intake.check_tenant(tenant)
+        if isinstance(params.speculative, str):   # last: only a request that passed every check loads one
+            self.add_drafter(params.speculative)   # a draft model named per request loads once
         with self._lock:
             intake.check_cap(tenant, self.scheduler.tenancy.spec(tenant).max_blocks, ids, params, beam,
                              self.max_model_len, self.block_size)

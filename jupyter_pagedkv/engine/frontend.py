@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 from typing import Any, Iterator, Sequence as Seq
 
-from ..core.sampling_params import SamplingParams
+from ..core.sampling_params import SamplingParams, is_int, show
 from .outputs import RequestOutput, StreamDelta
 
 
@@ -19,12 +19,17 @@ def is_single_prompt(prompt: Any) -> bool:
     """Text, one list of token ids, or a conversation the server templates (`.messages`)."""
     if isinstance(prompt, str) or hasattr(prompt, "messages"):
         return True
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(is_int(t) for t in prompt)
 
 
 def prompt_list(prompts: Any) -> list:
+    """One prompt as a list of one; a list of prompts as is. Whether each prompt is readable is
+    the engine's check (`intake.tokenize`); anything that is not a prompt or a list of them is one
+    line here."""
     if is_single_prompt(prompts):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be text, a list of token ids, or a list of those, got {show(prompts)}")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
@@ -39,7 +44,7 @@ def check_messages(messages) -> None:
         if not isinstance(m, dict):
             raise ValueError(f"chat message {i} is {type(m).__name__}, not a {{'role', 'content'}} dict")
         if m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"chat message {i} has role {m.get('role')!r}: use system, user, assistant or tool")
+            raise ValueError(f"chat message {i} has role {show(m.get('role'))}: use system, user, assistant or tool")
         if not isinstance(m.get("content"), str):
             raise ValueError(f"chat message {i} has no text content (got {type(m.get('content')).__name__})")
 
@@ -49,6 +54,9 @@ def param_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> l
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"params must be SamplingParams, a list of them (one per prompt) or None "
+                         f"(beam search: beam_search()), got {show(params)}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
@@ -71,6 +79,8 @@ class GenerationFront:
         if not isinstance(messages, (list, tuple)) or not messages:
             check_messages(messages)
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for conversation in conversations:   # every one before any is templated or queued
+            check_messages(conversation)
         return self.generate([self.apply_chat_template(c) for c in conversations], params, use_tqdm, tenant)
 
     def stream(self, prompt, params: SamplingParams | None = None,

@@ -1,14 +1,46 @@
 """What a request must satisfy before it is queued: a prompt the model can read, a length the
 model and the pool can hold, a beam width the vocabulary allows. Each failure is one ValueError
-line that says what to change, raised before anything is queued."""
+line that says what to change, raised before anything is queued.
+
+The front is in two layers: the request's own fields (`SamplingParams.validate`, exact types and
+bounds, see core/sampling_params.py) and here what needs the engine: its tokenizer, vocabulary,
+context, pool, and `max_num_seqs`, the limit on `n` and `beam_width` (every sample and every beam
+is a sequence that runs in the same steps as its siblings, so all of them must fit one step)."""
 from __future__ import annotations
 
 import dataclasses
 
-from ..core.sampling_params import BeamSearchParams, SamplingParams
+from ..core.sampling_params import BeamSearchParams, SamplingParams, is_int, show
 from ..decoding.beam_search import BeamSearch
 
 Prompt = str | list[int]
+
+
+def check_params(params: object) -> SamplingParams | BeamSearchParams:
+    """SamplingParams (None: the defaults) or BeamSearchParams, each field valid (fields may have
+    been changed since construction)."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, (SamplingParams, BeamSearchParams)):
+        raise ValueError(f"params must be SamplingParams, BeamSearchParams or None, got {show(params)}")
+    params.validate()
+    return params
+
+
+def check_parallel(params: SamplingParams | BeamSearchParams, max_num_seqs: int) -> None:
+    """`n` samples or `beam_width` beams run together: at most `max_num_seqs` sequences."""
+    name, width = (("beam_width", params.beam_width) if isinstance(params, BeamSearchParams)
+                   else ("n", params.n))
+    if width > max_num_seqs:
+        raise ValueError(f"{name}={width} needs {width} sequences in one step but the engine runs at most "
+                         f"max_num_seqs={max_num_seqs}: lower {name}, or load with a larger max_num_seqs")
+
+
+def check_request_fields(request_id: object, priority: object) -> None:
+    if request_id is not None and not (isinstance(request_id, str) and request_id):
+        raise ValueError(f"request_id must be a non-empty string or None, got {show(request_id)}")
+    if not is_int(priority):
+        raise ValueError(f"priority must be an integer, got {show(priority)}")
 
 
 def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> tuple[str | None, list[int]]:
@@ -19,11 +51,13 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> tuple[str | None, li
         if tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass token ids instead of text")
         return prompt, tokenizer(prompt).input_ids
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt is text or a list of token ids, got {show(prompt)}")
     ids = list(prompt)
     if not ids:
         raise ValueError("empty prompt: give some text or token ids")
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {show(ids)}")
     return None, ids
 
 
@@ -86,7 +120,7 @@ def check_tenant(tenant: object) -> str | None:
     if tenant is None:
         return None
     if not isinstance(tenant, str) or not tenant.strip():
-        raise ValueError(f"tenant must be a non-empty string such as 'alice' (or None), got {tenant!r}")
+        raise ValueError(f"tenant must be a non-empty string such as 'alice' (or None), got {show(tenant)}")
     return tenant
 
 

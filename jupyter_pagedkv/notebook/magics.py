@@ -17,8 +17,8 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..config import EngineConfig, changed_flags, format_bytes, from_arguments
 from .session import NO_ENGINE, KernelSession, current
 from .markdown import MarkdownRenderer, markdown_bundle
-from .options import (SESSION_NAME, beam_params, interpolate, load_arguments, parse_connect, parse_line,
-                      sampling_arguments, split_prompts, unescape)
+from .options import (SESSION_NAME, generate_params, interpolate, load_arguments, parse_connect, parse_line,
+                      sampling_arguments, sampling_params, split_prompts)
 from .tenants import set_tenant_line, tenants_table
 from .text_views import block_map, requests_table
 from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
@@ -41,9 +41,11 @@ jupyter-pagedkv magics (one engine per kernel, shared by every cell):
                                     (its plots are shown here), e.g. `%pagedkv bench tail --scale sim`
   %pagedkv plan MODEL [--gpu G] [--num-gpus N] [--context N]
                                     KV capacity: bytes per token, tokens that fit, paged vs contiguous
-  %pagedkv connect URL [--api-key KEY] [--model NAME] [--kv-events tcp://HOST:PORT] [--timeout S]
+  %pagedkv connect URL [--api-key-env NAME] [--model NAME] [--kv-events tcp://HOST:PORT] [--timeout S]
                                     stream %%generate / %%chat from a vLLM server; status and monitor
-                                    read its /metrics (and its KV events)
+                                    read its /metrics (and its KV events); the key comes from
+                                    $NAME, else $VLLM_API_KEY, else $OPENAI_API_KEY (--api-key KEY
+                                    works but is saved in the notebook)
   %pagedkv disconnect               back to the kernel's own engine
   %%generate [options]              generate from the cell; `---` lines separate concurrent prompts,
                                     {name} inserts a variable ({{ and }} are literal braces)
@@ -179,7 +181,8 @@ class PagedKVMagics(Magics):
         from ..remote.client import RemoteError
         args = parse_connect(rest)
         try:
-            client = self.session.connect(args.url, api_key=args.api_key, model=args.model,
+            client = self.session.connect(args.url, api_key=args.api_key, api_key_env=args.api_key_env,
+                                          model=args.model,
                                           timeout=args.timeout, kv_events=args.kv_events,
                                           kv_events_topic=args.kv_events_topic)
         except (RemoteError, ValueError) as err:
@@ -244,17 +247,12 @@ class PagedKVMagics(Magics):
         """Generate from the cell's text (several prompts, separated by `---` lines, run concurrently)."""
         args = parse_line(self.generate, line)
         engine = self.session.require_engine()
-        params = self._params(args)
+        params = generate_params(args)
         if args.speculative is not None:
             try:
                 params.speculative = engine.add_drafter(args.speculative)
             except ValueError as err:   # an unknown draft model, another vocabulary
                 raise UsageError(f"--speculative: {err}") from None
-        params.n = args.n
-        if args.n < 1:
-            raise UsageError(f"--n must be >= 1, got {args.n}")
-        if args.beams is not None:
-            params = beam_params(args)
         texts = split_prompts(interpolate(cell, self.shell.user_ns))
         has_template = engine.has_chat_template
         if args.system is not None and (args.raw or not has_template):
@@ -307,7 +305,7 @@ class PagedKVMagics(Magics):
         engine = self.session.require_engine()
         if not engine.has_chat_template:
             raise UsageError("this model's tokenizer has no chat template: use %%generate --raw")
-        params = self._params(args)
+        params = sampling_params(args)
         chat = self.session.chat(name)
         if args.tenant is not None:
             if chat.num_turns and args.tenant != chat.tenant:
@@ -325,19 +323,6 @@ class PagedKVMagics(Magics):
             self.shell.user_ns[args.out] = outputs[0]
 
     # -- shared -----------------------------------------------------------------------------------
-    @staticmethod
-    def _params(args):
-        from ..core.sampling_params import SamplingParams
-        if args.out is not None and not args.out.isidentifier():
-            raise UsageError(f"--out {args.out!r} is not a valid variable name")
-        try:
-            return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                  stop=[unescape(s) for s in args.stop or []])
-        except ValueError as err:
-            raise UsageError(str(err).replace("max_tokens", "--max-tokens").replace("top_p", "--top-p")
-                             .replace("top_k", "--top-k")) from None
-
     def _in_kernel(self) -> bool:
         return getattr(self.shell, "kernel", None) is not None
 

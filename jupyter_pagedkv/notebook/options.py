@@ -51,11 +51,12 @@ def connect_parser():
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str):
-            raise UsageError(f"{message} (e.g. %pagedkv connect http://127.0.0.1:8000 --model NAME)")
+            raise UsageError(f"{message} (e.g. %pagedkv connect http://127.0.0.1:8000 --model NAME --api-key-env VLLM_API_KEY)")
 
     p = Parser(prog="%pagedkv connect", add_help=False)
     p.add_argument("url")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key-env", default=None, metavar="NAME")
+    p.add_argument("--api-key", default=None)   # works, but is saved in the notebook: warns
     p.add_argument("--model", default=None)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT")
@@ -82,9 +83,13 @@ def parse_line(magic: Callable, line: str):
     return magic.parser.parse_args(argv)
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
 def unescape(s: str) -> str:
-    """Let `--stop "\\n"` mean a newline, as a user types it."""
-    return s.encode("utf-8").decode("unicode_escape") if "\\" in s else s
+    """Let `--stop "\\n"` mean a newline, as a user types it (\\n, \\t, \\r and \\\\; any other
+    backslash stays as written, so no text can fail to decode)."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), s)
 
 
 def load_arguments(f: Callable) -> Callable:
@@ -120,6 +125,37 @@ def sampling_arguments(f: Callable) -> Callable:
     return f
 
 
+def _flagged(err: ValueError) -> UsageError:
+    """A SamplingParams error in the magics' words: `--max-tokens` where the field says max_tokens."""
+    text = str(err)
+    field, _, rest = text.partition(" must be ")
+    if rest and field.isidentifier():
+        flag = "--beams" if field == "beam_width" else "--" + field.replace("_", "-")
+        text = f"{flag} must be {rest}"
+    return UsageError(text)
+
+
+def sampling_params(args):
+    """The SamplingParams of a %%generate / %%chat line (its --n included, when it has one)."""
+    from ..core.sampling_params import SamplingParams
+    if args.out is not None and not args.out.isidentifier():
+        raise UsageError(f"--out {args.out!r} is not a valid variable name")
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              stop=[unescape(s) for s in args.stop or []], n=getattr(args, "n", 1))
+    except ValueError as err:
+        raise _flagged(err) from None
+
+
+def generate_params(args):
+    """What a %%generate line asks for: SamplingParams, or BeamSearchParams with --beams. Limits
+    that need the engine (n and beams against max_num_seqs, the context, the pool) are checked
+    when the cell's requests are added."""
+    params = sampling_params(args)
+    return beam_params(args) if args.beams is not None else params
+
+
 def beam_params(args):
     """--beams B: deterministic beam search; sampling and stop options have no meaning there."""
     from ..core.sampling_params import BeamSearchParams
@@ -133,4 +169,7 @@ def beam_params(args):
     if clash:
         raise UsageError(f"--beams is deterministic and cannot be combined with {', '.join(clash)}: "
                          f"drop {'it' if len(clash) == 1 else 'them'}")
-    return BeamSearchParams(beam_width=args.beams, max_tokens=args.max_tokens)
+    try:
+        return BeamSearchParams(beam_width=args.beams, max_tokens=args.max_tokens)
+    except ValueError as err:
+        raise _flagged(err) from None

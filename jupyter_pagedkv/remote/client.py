@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 
 from ..core.stats import Throughput
 from ..engine.frontend import GenerationFront, check_messages
-from ..engine.intake import check_tenant
+from ..engine.intake import check_params, check_tenant
+from . import api_key as api_key_source, wire
 from .cache_salt import check_salt_support, salt_refused
 from .errors import RemoteError
 from .inspection import RemoteInspection
@@ -91,12 +92,13 @@ class RemoteEngine(RemoteInspection, GenerationFront):
     has_chat_template = True   # the server applies the model's own template
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 60.0, kv_events: str | None = None, kv_events_topic: str = "") -> None:
+                 timeout: float = 60.0, kv_events: str | None = None, kv_events_topic: str = "",
+                 api_key_env: str | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         self.scheme, self.host, self.port, self.prefix = _base_url(url)
         self.url = f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
-        self.api_key = api_key
+        self.api_key = api_key_source.for_server(api_key, api_key_env, self.scheme, self.host)   # api_key.py
         self.timeout = timeout
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -130,8 +132,8 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         h = {"Accept": "application/json, text/event-stream"}
         if body:
             h["Content-Type"] = "application/json"
-        if self.api_key:
-            h["Authorization"] = f"Bearer {self.api_key}"
+        if self.api_key is not None:
+            h["Authorization"] = self.api_key.header()
         return h
 
     def _network_error(self, err: BaseException, what: str) -> RemoteError:
@@ -154,7 +156,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             message = body.decode("utf-8", "replace").strip()[:200]
         message = " ".join(str(message).split())
         if status in (401, 403):
-            hint = "pass the server's key with --api-key" if not self.api_key else "check --api-key"
+            hint = f"check {self.api_key}" if self.api_key else "set VLLM_API_KEY to the server's key"
             return RemoteError(f"{self.url} refused the request (HTTP {status}, unauthorized): {hint}")
         if status == 400 and "cache_salt" in message:
             return salt_refused(self.url, getattr(self, "version", None), message)
@@ -168,7 +170,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         try:
             conn.request("GET", self.prefix + path, headers=self._headers())
             resp = conn.getresponse()
-            return resp.status, resp.read()
+            return resp.status, wire.read_body(resp, self.url)
         except (OSError, http.client.HTTPException) as err:
             raise self._network_error(err, what) from None
         finally:
@@ -180,6 +182,8 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             raise self._http_error(status, body)
         try:
             models = [m["id"] for m in json.loads(body)["data"]]
+            if not all(isinstance(m, str) for m in models):
+                raise TypeError("model ids are not strings")
         except (ValueError, KeyError, TypeError):
             raise RemoteError(f"{self.url}/v1/models is not an OpenAI-compatible model list: "
                               f"check the URL") from None
@@ -190,7 +194,8 @@ class RemoteEngine(RemoteInspection, GenerationFront):
     def _version(self) -> str | None:
         try:
             status, body = self._get("/version", "its version")
-            return json.loads(body).get("version") if status == 200 else None
+            version = json.loads(body).get("version") if status == 200 else None
+            return version if isinstance(version, str) else None
         except (RemoteError, ValueError, AttributeError):
             return None
 
@@ -208,8 +213,9 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         per request, so a named tenant's prefixes are always isolated (no "global" scope here)."""
         if (tenant := check_tenant(tenant)) is not None:
             check_salt_support(self.url, self.version)
-        params = params or SamplingParams()
-        params.validate()
+        params = check_params(params)
+        if not isinstance(params, SamplingParams) or params.n > wire.MAX_CHOICES:
+            raise ValueError(f"a server request takes SamplingParams with n <= {wire.MAX_CHOICES}")
         body = self._body(prompt, params)
         if tenant is not None:
             body["cache_salt"] = tenant
@@ -284,9 +290,12 @@ class RemoteEngine(RemoteInspection, GenerationFront):
                     req.error = self._network_error(err, "the request")
                 return
             if resp.status != 200:
-                req.error = self._http_error(resp.status, resp.read())
+                req.error = self._http_error(resp.status, wire.read_body(resp, self.url))
                 return
             self._read_events(req, resp, chat)
+        except RemoteError as err:   # what the server sent broke a rule of wire.py: one line
+            if not req.aborted:
+                req.error = err
         except (OSError, http.client.HTTPException, ValueError) as err:
             if not req.aborted:
                 req.error = (self._network_error(err, "while streaming")
@@ -301,56 +310,38 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             self._finish(req)
 
     def _read_events(self, req: RemoteRequest, resp: http.client.HTTPResponse, chat: bool) -> None:
-        """Fold the server-sent events into the request; [DONE] or finish reasons end it."""
-        done = False
-        while True:
-            raw = resp.readline()
-            if not raw:
-                break
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            if "error" in chunk and "choices" not in chunk:
-                err = chunk["error"]
-                raise RemoteError(f"{self.url} failed the request: "
-                                  f"{err.get('message', err) if isinstance(err, dict) else err}")
-            self._fold_chunk(req, chunk, chat)
-        if not done and not req.aborted:
+        """Fold the server-sent events into the request, each checked (wire.py); [DONE] or finish
+        reasons end it."""
+        stream = wire.EventStream(resp, self.url, self.timeout)
+        for data in stream.events():
+            chunk = wire.parse_chunk(data, req.params.n, chat, self.url)
+            if chunk.error is not None:
+                raise RemoteError(f"{self.url} failed the request: {chunk.error}")
+            self._fold_chunk(req, chunk)
+        if not stream.done and not req.aborted:
             missing = [i for i in range(req.params.n) if i not in req.finish]
             if missing:
                 raise RemoteError(f"the stream from {self.url} dropped before the end (no finish "
                                   f"reason after {req.num_output_tokens} tokens); the "
                                   f"output so far is kept, run the cell again for the rest")
 
-    def _fold_chunk(self, req: RemoteRequest, chunk: dict, chat: bool) -> None:
+    def _fold_chunk(self, req: RemoteRequest, chunk: wire.Chunk) -> None:
         now = time.perf_counter()
-        if chunk.get("prompt_token_ids") and not req.prompt_token_ids:
-            req.prompt_token_ids = list(chunk["prompt_token_ids"])
+        if chunk.prompt_token_ids and not req.prompt_token_ids:
+            req.prompt_token_ids = list(chunk.prompt_token_ids)
         new_text, new_tokens = "", []
-        for choice in chunk.get("choices") or []:
-            i = int(choice.get("index", 0))
-            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-            piece = piece or ""
-            toks = list(choice.get("token_ids") or [])
-            if choice.get("prompt_token_ids") and not req.prompt_token_ids:
-                req.prompt_token_ids = list(choice["prompt_token_ids"])
-            req.texts[i] = req.texts.get(i, "") + piece
-            req.tokens.setdefault(i, []).extend(toks)
-            if choice.get("finish_reason"):
-                req.finish[i] = choice["finish_reason"]
-            if i == 0:
-                new_text += piece
-                new_tokens += toks
-        usage = chunk.get("usage")
-        if usage:
-            req.metrics.num_generated_tokens = int(usage.get("completion_tokens") or 0)
-            details = usage.get("prompt_tokens_details") or {}
-            req.num_cached_tokens = int(details.get("cached_tokens") or 0)
+        for c in chunk.choices:
+            req.texts[c.index] = req.texts.get(c.index, "") + c.text
+            req.tokens.setdefault(c.index, []).extend(c.token_ids)
+            if c.finish_reason:
+                req.finish[c.index] = c.finish_reason
+            if c.index == 0:
+                new_text += c.text
+                new_tokens += c.token_ids
+        if chunk.completion_tokens is not None:
+            req.metrics.num_generated_tokens = chunk.completion_tokens
+        if chunk.cached_tokens is not None:
+            req.num_cached_tokens = chunk.cached_tokens
         if (new_text or new_tokens) and req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.num_output_tokens = len(req.tokens.get(0, [])) or req.num_output_tokens

@@ -20,6 +20,12 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# A server's prefix cache holds at most its pool; a map past this many hashes (far more than any
+# real pool shown in one widget) drops its oldest hashes instead of growing without bound.
+MAX_MAP_BLOCKS = 1 << 18
+# One ZMQ message (one EventBatch) of more than this is refused by the socket itself.
+MAX_MESSAGE_BYTES = 8 << 20
+
 
 class MsgpackError(ValueError):
     """The payload is not the msgpack we expect (truncated or an unknown type byte)."""
@@ -119,6 +125,8 @@ class BlockMap:
     missed_batches: int = 0       # gaps in the publisher's sequence numbers
     last_seq: int | None = None
     block_size: int | None = None
+    num_evicted: int = 0          # oldest hashes dropped to keep the map within max_blocks
+    max_blocks: int = MAX_MAP_BLOCKS
 
     @property
     def num_blocks(self) -> int:
@@ -146,6 +154,8 @@ class BlockMap:
             for h in body.get("block_hashes") or []:
                 h = _hashable(h)
                 if h not in self.slots:
+                    if len(self.slots) >= self.max_blocks:
+                        self._evict_oldest()
                     self.slots[h] = self.free_slots.pop() if self.free_slots else self._new_slot()
         elif kind == "BlockRemoved":
             self.num_removed_events += 1
@@ -159,6 +169,14 @@ class BlockMap:
             self.slots.clear()
             self.free_slots.clear()
             self.next_slot = 0
+
+    def _evict_oldest(self) -> None:
+        """Drop the hash stored longest ago (dicts keep insertion order: O(1)); warn once."""
+        if not self.num_evicted:
+            logger.warning("the KV-event block map reached %d blocks: evicting the oldest hashes "
+                           "(the server's map is shown in part)", self.max_blocks)
+        self.free_slots.append(self.slots.pop(next(iter(self.slots))))
+        self.num_evicted += 1
 
     def _new_slot(self) -> int:
         self.next_slot += 1
@@ -194,6 +212,7 @@ class KVEventListener:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)   # larger: the peer is dropped
         self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, daemon=True, name="pagedkv-kv-events")
@@ -226,7 +245,7 @@ class KVEventListener:
             m = self.map
             return BlockMap(dict(m.slots), list(m.free_slots), m.next_slot, m.num_stored_events,
                             m.num_removed_events, m.unknown_removed, m.num_batches, m.missed_batches,
-                            m.last_seq, m.block_size)
+                            m.last_seq, m.block_size, m.num_evicted, m.max_blocks)
 
     def wait_quiet(self, quiet_s: float = 0.5, timeout: float = 10.0) -> None:
         """Wait until no batch arrived for `quiet_s` (events trail the server's steps)."""

@@ -1,10 +1,11 @@
 """Start a local vLLM OpenAI-compatible server from the peer venv, for `%pagedkv connect` and tests.
 
-    python -m jupyter_pagedkv serve [--port 8000] [--kv-events-port 5557] [--api-key KEY]
+    python -m jupyter_pagedkv serve [--port 8000] [--kv-events-port 5557]   # key: $VLLM_API_KEY or --api-key
 
 serves the embedded SmolLM2-135M-Instruct (its cached plain Hugging Face folder, the one the local
 engine loads) as model `smollm2`, fp32, eager, block size 32, with prefix caching, cached-token
-usage details and (optionally) KV events on ZMQ. It prints the exact `vllm` command line first.
+usage details and (optionally) KV events on ZMQ. It prints the exact `vllm` command line first,
+its key hidden.
 The peer venv comes from `make bench-peers` (docs/peers.md); this module never imports vLLM.
 """
 from __future__ import annotations
@@ -161,25 +162,31 @@ class PeerServer:
             pass
 
 
+def redacted(argv: list[str]) -> list[str]:
+    """A command line as it may be printed: the value after --api-key hidden."""
+    return [("<hidden>" if i and argv[i - 1] == "--api-key" else a) for i, a in enumerate(argv)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--kv-events-port", type=int, default=None)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="the key the server requires (default: $VLLM_API_KEY)")
     p.add_argument("--kv-space-gib", type=int, default=1)
     args = p.parse_args(argv)
     py = peer_python()
     if py is None:
         p.error("no peer venv: run `make bench-peers` first (vLLM's CPU build, ~3.5 min)")
     from ..worker.loader import embedded_model_dir
-    cfg = ServerConfig(str(embedded_model_dir()), args.port, args.kv_events_port, args.api_key,
+    key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    cfg = ServerConfig(str(embedded_model_dir()), args.port, args.kv_events_port, key,
                        kv_space_gib=args.kv_space_gib)
     argv_ = cfg.argv(py)
-    print("VLLM_CPU_KVCACHE_SPACE=%d VLLM_SERVER_DEV_MODE=1 %s" % (cfg.kv_space_gib, shlex.join(argv_)),
+    print("VLLM_CPU_KVCACHE_SPACE=%d VLLM_SERVER_DEV_MODE=1 %s" % (cfg.kv_space_gib, shlex.join(redacted(argv_))),
           flush=True)
     extra = f" --kv-events {cfg.kv_events_endpoint}" if cfg.kv_events_endpoint else ""
-    key = f" --api-key {args.api_key}" if args.api_key else ""
-    print(f"then, in a notebook: %pagedkv connect {cfg.url}{key}{extra}", flush=True)
+    hint = " (with VLLM_API_KEY set to the server's key in the kernel's environment)" if key else ""
+    print(f"then, in a notebook: %pagedkv connect {cfg.url}{extra}{hint}", flush=True)
     try:
         return subprocess.call(argv_, env=cfg.env())
     except KeyboardInterrupt:

@@ -28,6 +28,7 @@ from torch import nn
 
 from .attention import PagedMetadata
 from .native_build import LazyModule, NativeBuildError
+from .native_switch import native_disabled
 from .packed_linear import PackedLinears
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ def decode_attention_kernel(choice: str, device: torch.device, backend: str):
     """The paged decode attention kernel for EngineConfig.decode_attention, or None for SDPA over
     gathered blocks: the C++ kernel runs on the CPU with the torch backend, where it builds."""
     if choice == "torch":
+        return None
+    if native_disabled():
+        if choice == "native":
+            raise ValueError(f"decode_attention='native' cannot run here: {native_disabled()}; use 'auto'")
         return None
     if device.type != "cpu" or backend != "torch":
         if choice == "native":
@@ -100,7 +105,7 @@ class NativeDecode:
         """A NativeDecode for a model the lean loop serves, or None and why. `required` raises
         instead (step_loop='native'). `decode_kernel` is the engine's decode attention: the C++
         loop calls that very kernel, so it runs only where the engine's other steps do too."""
-        problem = _problem(model, packed, softcaps)
+        problem = native_disabled() or _problem(model, packed, softcaps)
         if problem is None and decode_kernel is None:
             problem = "decode rows attend through SDPA (decode_attention='torch')"
         module = None

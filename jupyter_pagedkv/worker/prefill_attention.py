@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .native_build import LazyModule, NativeBuildError
+from .native_switch import native_disabled
 
 
 SOURCE = Path(__file__).with_name("prefill_attention.cpp")
@@ -43,7 +44,7 @@ def plan(mode: str, device: torch.device, backend: str, dtype: torch.dtype, head
         raise ValueError(f"prefill_attention must be 'auto', 'native' or 'torch', got {mode!r}")
     if mode == "torch":
         return None, "prefill attention by torch's SDPA"
-    problem = _problem(device, backend, dtype, head_dim)
+    problem = native_disabled() or _problem(device, backend, dtype, head_dim)
     module = None
     if problem is None:
         try:

@@ -130,7 +130,7 @@ def test_abort_mid_search_frees_every_block(make_engine):
 
 
 def test_bad_beam_requests_are_refused_with_a_clear_message(make_engine):
-    engine = make_engine(MODELS["llama"], block_size=4, num_blocks=20)
+    engine = make_engine(MODELS["llama"], block_size=4, num_blocks=20, max_num_seqs=256)
     with pytest.raises(ValueError, match="beam_width must be a positive integer"):
         BeamSearchParams(beam_width=0)
     with pytest.raises(ValueError, match="early_stopping must be"):
@@ -139,6 +139,8 @@ def test_bad_beam_requests_are_refused_with_a_clear_message(make_engine):
         engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=4, max_tokens=40))
     with pytest.raises(ValueError, match="candidates per step but the vocabulary has 256"):
         engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=200, max_tokens=1))
+    with pytest.raises(ValueError, match="beam_width=300 needs 300 sequences .* max_num_seqs=256"):
+        engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=300, max_tokens=1))
     with pytest.raises(ValueError, match="BeamSearchParams"):
         engine.beam_search([PROMPTS[0]], object())
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from jupyter_pagedkv.bench.soak import soak
 
 
+@pytest.mark.timeout(1800)   # ~65 s of CPU; 6 min on a machine shared five ways
 def test_a_short_seeded_soak_ends_clean(caplog):
     caplog.set_level(logging.CRITICAL)           # the injected failures log one line per request
     report = soak(num_requests=250, seed=7, warmup=50)

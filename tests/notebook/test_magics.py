@@ -232,14 +232,15 @@ def test_system_and_raw_and_stop(ip):
 
 
 @pytest.mark.parametrize("option, message", [
-    ("--n 0", "--n must be >= 1"),
+    ("--n 0", "--n must be a positive integer"),
+    ("--n 100000", "n=100000 needs 100000 sequences .* max_num_seqs=64"),
     ("--beams 0", "--beams must be >= 1"),
     ("--beams 2 --temperature 0.5 --n 2", "--beams is deterministic .* --n, --temperature: drop them"),
     ("--beams 2 --speculative ngram", "--beams is deterministic .* --speculative: drop it"),
     ("--speculative no/such/draft-model", "--speculative: no model folder"),
     ("--temperature -1", "temperature must be a finite number >= 0"),
     ("--max-tokens 0", "--max-tokens must be a positive integer"),
-    ("--top-p 2", "--top-p must be in"),
+    ("--top-p 2", r"--top-p must be a number in \(0, 1\]"),
     ("--out 2x", "not a valid variable name"),
     ("--max-tokens many", "invalid int value"),
     ("--system 'unclosed", "cannot read the options: No closing quotation"),

@@ -23,7 +23,7 @@ from jupyter_pagedkv.notebook.session import KernelSession
 
 # The condition is declared, not buried in a fixture: `make test` builds the peer venv before
 # pytest starts (`make bench-peers`), so these run whenever that build succeeded.
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200),   # a vLLM server starts in the first test
               pytest.mark.skipif(peer_python() is None,
                                  reason="no peer venv (.venv-peers/.ok): `make bench-peers` could not build "
                                         "vLLM's CPU build here; run it to enable the server tests")]

@@ -23,7 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_browser_monitor import ARTIFACTS, lab, lab_page, run_cell, wait_done  # noqa: F401
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+# JupyterLab and Chromium start in the module's first test (its fixtures' setup counts).
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1200)]
 
 HEAD = """Paging in three steps:
 

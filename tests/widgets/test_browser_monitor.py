@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+# JupyterLab and Chromium start in the module's first test (its fixtures' setup counts).
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("PAGEDKV_CHROMIUM", "/usr/bin/chromium")

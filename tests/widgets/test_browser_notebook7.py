@@ -41,7 +41,8 @@ from test_browser_monitor import (
     write_notebook,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+# JupyterLab and Chromium start in the module's first test (its fixtures' setup counts).
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1200)]
 
 CELLS = [
     "%load_ext jupyter_pagedkv",

@@ -21,7 +21,8 @@ from test_browser_monitor import ARTIFACTS, _why_skip, jupyter_server, lab_page,
 
 from jupyter_pagedkv.widgets.pool_figure import STATIC
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+# JupyterLab and Chromium start in the module's first test (its fixtures' setup counts).
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1200)]
 
 SETUP = """\
 from jupyter_pagedkv import Engine, SamplingParams
