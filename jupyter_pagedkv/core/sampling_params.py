@@ -24,6 +24,18 @@ class SamplingParams:
     # Speculative decoding for this request: None = the engine's default, False = off,
     # "ngram" or a draft model id/path = that drafter.
     speculative: str | bool | None = None
+    # Logits processors (vLLM's names and semantics; worker/logits_processors.py applies them).
+    repetition_penalty: float = 1.0    # > 0; over prompt + output tokens; 1: off
+    presence_penalty: float = 0.0      # [-2, 2]; over output tokens; 0: off
+    frequency_penalty: float = 0.0     # [-2, 2]; over output tokens; 0: off
+    min_tokens: int = 0                # EOS and stop_token_ids masked until this many are generated
+    logit_bias: dict[int, float] | None = None       # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None       # only these may be generated
+    # Text (tokenised at intake, with and without a leading space, as vLLM does) or token id lists
+    # (transformers' bad_words_ids): the last token is masked when the others end the context.
+    bad_words: list[str | list[int]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +67,19 @@ class SamplingParams:
                 self.speculative == "":
             raise ValueError(f"speculative must be None, False, 'ngram' or a draft model id/path, "
                              f"got {self.speculative!r}")
+        for name, ok, what in _PROCESSOR_CHECKS:
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logits processor is on (the sampler skips all their work otherwise)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logit_bias)
+                or self.allowed_token_ids is not None or bool(self.bad_words))
 
     @property
     def greedy(self) -> bool:
@@ -91,3 +116,32 @@ class BeamSearchParams:
 def _finite(x) -> bool:
     """A real number that is neither nan nor infinite (bools are not numbers here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _token_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _bad_word(w) -> bool:
+    return (isinstance(w, str) and w.strip() != "") or \
+        (isinstance(w, (list, tuple)) and len(w) > 0 and all(_token_id(t) for t in w))
+
+
+# The logits processors' checks, one row per field: (field, accepts, what to pass instead).
+# Token ids are checked against the vocabulary at intake (engine/intake.py: check_token_ids).
+_PROCESSOR_CHECKS = [
+    ("repetition_penalty", lambda v: _finite(v) and v > 0, "a finite number > 0 (1 = off)"),
+    ("presence_penalty", lambda v: _finite(v) and -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),
+    ("frequency_penalty", lambda v: _finite(v) and -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),
+    ("min_tokens", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+     "an integer >= 0 (0 = off)"),
+    ("logit_bias", lambda v: v is None or (isinstance(v, dict) and all(
+        _token_id(t) and _finite(b) for t, b in v.items())),
+     "None or a dict of token id (integer >= 0) -> finite bias"),
+    ("allowed_token_ids", lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) > 0 and all(
+        _token_id(t) for t in v)), "None or a non-empty list of token ids (integers >= 0)"),
+    ("bad_words", lambda v: v is None or (isinstance(v, (list, tuple)) and all(_bad_word(w) for w in v)),
+     "None or a list of non-empty strings or non-empty token id lists"),
+    ("include_stop_str_in_output", lambda v: isinstance(v, bool), "True or False"),
+    ("skip_special_tokens", lambda v: isinstance(v, bool), "True or False"),
+]

@@ -333,10 +333,18 @@ class PagedKVMagics(Magics):
         try:
             return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                  stop=[unescape(s) for s in args.stop or []])
+                                  stop=[unescape(s) for s in args.stop or []], min_p=args.min_p,
+                                  repetition_penalty=args.repetition_penalty,
+                                  presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
+                                  bad_words=args.bad_word, include_stop_str_in_output=args.include_stop_str,
+                                  skip_special_tokens=not args.keep_special_tokens)
         except ValueError as err:
-            raise UsageError(str(err).replace("max_tokens", "--max-tokens").replace("top_p", "--top-p")
-                             .replace("top_k", "--top-k")) from None
+            message = str(err)
+            for name in ("max_tokens", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty", "min_tokens"):
+                message = message.replace(name, "--" + name.replace("_", "-"))
+            raise UsageError(message) from None
 
     def _in_kernel(self) -> bool:
         return getattr(self.shell, "kernel", None) is not None

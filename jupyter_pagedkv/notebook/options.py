@@ -94,6 +94,11 @@ def load_arguments(f: Callable) -> Callable:
     return f
 
 
+# The logits-processor options beside their "off" values: beam search takes none of them.
+PROCESSOR_DEFAULTS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                      "frequency_penalty": 0.0, "min_tokens": 0, "bad_word": None}
+
+
 def sampling_arguments(f: Callable) -> Callable:
     """The options %%generate and %%chat share."""
     for arg in reversed([
@@ -102,6 +107,20 @@ def sampling_arguments(f: Callable) -> Callable:
         argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)"),
         argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]"),
         argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)"),
+        argument("--min-p", type=float, default=0.0,
+                 help="drop tokens under P x the most likely one's probability (0: off)"),
+        argument("--repetition-penalty", type=float, default=1.0,
+                 help="> 1 discourages every token of the prompt and the answer so far (1: off)"),
+        argument("--presence-penalty", type=float, default=0.0,
+                 help="[-2, 2], subtracted once from each token the answer already holds (0: off)"),
+        argument("--frequency-penalty", type=float, default=0.0,
+                 help="[-2, 2], subtracted per occurrence in the answer so far (0: off)"),
+        argument("--min-tokens", type=int, default=0, help="no EOS or stop token before N new tokens"),
+        argument("--bad-word", action="append", default=None, metavar="W",
+                 help="never generate the word W (repeatable)"),
+        argument("--include-stop-str", action="store_true", help="keep the --stop text at the end of the answer"),
+        argument("--keep-special-tokens", action="store_true",
+                 help="show special tokens (such as EOS) in the answer's text"),
         argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling"),
         argument("--stop", action="append", default=None, metavar="S",
                  help="stop when the text contains S (repeatable; \\n and \\t are understood)"),
@@ -128,6 +147,8 @@ def beam_params(args):
     clash = [name for name, used in (("--n", args.n != 1), ("--temperature", args.temperature != 0.0),
                                      ("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
                                      ("--seed", args.seed is not None), ("--stop", bool(args.stop)),
+                                     *((f"--{name.replace('_', '-')}", getattr(args, name) != off)
+                                       for name, off in PROCESSOR_DEFAULTS.items()),
                                      ("--speculative", args.speculative is not None))
              if used]
     if clash:
