@@ -34,6 +34,7 @@ from .errors import RemoteError
 from .inspection import RemoteInspection
 from ..engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
 from ..core.sampling_params import SamplingParams
+from .request_fields import openai_fields, vllm_fields
 
 
 logger = logging.getLogger(__name__)
@@ -251,26 +252,11 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)
-        # OpenAI's own fields (logit_bias keys are token ids written as text).
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(params, name) != 0.0:
-                body[name] = getattr(params, name)
-        if params.logit_bias:
-            body["logit_bias"] = {str(t): b for t, b in params.logit_bias.items()}
-        # vLLM's extensions of the OpenAI request, under vLLM's names, each sent only when it
-        # differs from vLLM's default; other servers would reject unknown fields.
-        if any(isinstance(w, (list, tuple)) for w in params.bad_words or ()):
-            raise ValueError("a server takes bad_words as text only: pass words, not token id lists")
-        extensions = {name: value for name, value, default in (
-            ("top_k", max(params.top_k, 0), 0), ("min_p", params.min_p, 0.0), ("ignore_eos", params.ignore_eos, False),
-            ("stop_token_ids", list(params.stop_token_ids), []),
-            ("repetition_penalty", params.repetition_penalty, 1.0), ("min_tokens", params.min_tokens, 0),
-            ("allowed_token_ids", params.allowed_token_ids, None), ("bad_words", params.bad_words, None),
-            ("include_stop_str_in_output", params.include_stop_str_in_output, False),
-            ("skip_special_tokens", params.skip_special_tokens, True)) if value != default}
+        body.update(openai_fields(params))
+        extensions = vllm_fields(params)
         if self.version is not None:
             body["return_token_ids"] = True
-            body.update({k: list(v) if isinstance(v, (list, tuple)) else v for k, v in extensions.items()})
+            body.update(extensions)
         elif extensions:
             raise ValueError(f"{', '.join(extensions)} need a vLLM server")
         return body

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from ..core.sampling_params import SamplingParams
+from .upload import upload
 
 
 class Context(Protocol):
@@ -52,7 +53,7 @@ def apply_processors(logits: torch.Tensor, rows: list[Context], eos_token_ids: s
         return logits
     dev, vocab = logits.device, logits.shape[1]
     everyone = len(active) == len(rows)
-    idx = None if everyone else _upload(active, torch.long, dev)
+    idx = None if everyone else upload(active, torch.long, dev)
     # (advanced indexing: index_select along rows measured ~30x slower on the CPU here)
     sub = logits.float().clone() if everyone else logits[idx].float()
     ctx = [rows[i] for i in active]
@@ -63,17 +64,11 @@ def apply_processors(logits: torch.Tensor, rows: list[Context], eos_token_ids: s
     return sub if everyone else logits.float().index_copy(0, idx, sub)
 
 
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The sampler's upload (pinned and non-blocking on CUDA); imported late: it imports us."""
-    from .sampler import upload
-    return upload(values, dtype, device)
-
-
 def _pairs(rows: list[list[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat (row, token) index tensors of ragged per-row token lists, uploaded in one go."""
     r = [i for i, toks in enumerate(rows) for _ in toks]
     t = [tok for toks in rows for tok in toks]
-    both = _upload([r, t], torch.long, dev)
+    both = upload([r, t], torch.long, dev)
     return both[0], both[1]
 
 
@@ -82,7 +77,7 @@ def _bias(sub: torch.Tensor, ctx: list[Context]) -> None:
         return
     items = [list((c.params.logit_bias or {}).items()) for c in ctx]
     r, t = _pairs([[tok for tok, _ in row] for row in items], sub.device)
-    values = _upload([b for row in items for _, b in row], sub.dtype, sub.device)
+    values = upload([b for row in items for _, b in row], sub.dtype, sub.device)
     sub.index_put_((r, t), values, accumulate=True)
 
 
@@ -98,7 +93,7 @@ def _repetition(sub: torch.Tensor, ctx: list[Context]) -> None:
     if all(c.params.repetition_penalty == 1.0 for c in ctx):
         return
     flat, row, _ = _distinct(sub, [c.token_ids if c.params.repetition_penalty != 1.0 else [] for c in ctx])
-    penalty = _upload([c.params.repetition_penalty for c in ctx], sub.dtype, sub.device)[row]
+    penalty = upload([c.params.repetition_penalty for c in ctx], sub.dtype, sub.device)[row]
     seen = sub.view(-1).gather(0, flat)
     sub.view(-1).scatter_(0, flat, torch.where(seen > 0, seen / penalty, seen * penalty))
 
@@ -107,7 +102,7 @@ def _presence_frequency(sub: torch.Tensor, ctx: list[Context]) -> None:
     if all(c.params.presence_penalty == 0.0 and c.params.frequency_penalty == 0.0 for c in ctx):
         return
     flat, row, counts = _distinct(sub, [c.token_ids[c.prompt_len:] for c in ctx])
-    knobs = _upload([[c.params.frequency_penalty, c.params.presence_penalty] for c in ctx], sub.dtype,
+    knobs = upload([[c.params.frequency_penalty, c.params.presence_penalty] for c in ctx], sub.dtype,
                     sub.device)[row]
     sub.view(-1).scatter_add_(0, flat, -(knobs[:, 0] * counts.to(sub.dtype) + knobs[:, 1]))
 

@@ -28,6 +28,7 @@ import torch
 
 from ..core.sequence import Sequence
 from .logits_processors import apply_processors
+from .upload import upload
 
 
 class Sampler:
@@ -98,14 +99,6 @@ class Sampler:
                 sorted_logits = sorted_logits.masked_fill(gap < log_min_ps.unsqueeze(1), float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         return logits.softmax(dim=-1)
-
-
-def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`. On CUDA it goes through pinned memory with a
-    non-blocking copy: a copy from pageable memory would first wait for the queued forward."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
