@@ -30,6 +30,15 @@ def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _token_id(x: Any) -> bool:
+    return is_int(x) and x >= 0
+
+
+def _bad_word(w: Any) -> bool:
+    return (isinstance(w, str) and w.strip() != "") or \
+        (isinstance(w, (list, tuple)) and len(w) > 0 and all(_token_id(t) for t in w))
+
+
 def _speculative(v: Any) -> bool:
     return v is None or v is False or (isinstance(v, str) and bool(v.strip()))
 
@@ -112,6 +121,18 @@ class SamplingParams:
     # Speculative decoding for this request: None = the engine's default, False = off,
     # "ngram" or a draft model id/path = that drafter.
     speculative: str | bool | None = None
+    # Logits processors (vLLM's names and semantics; worker/logits_processors.py applies them).
+    repetition_penalty: float = 1.0    # > 0; over prompt + output tokens; 1: off
+    presence_penalty: float = 0.0      # [-2, 2]; over output tokens; 0: off
+    frequency_penalty: float = 0.0     # [-2, 2]; over output tokens; 0: off
+    min_tokens: int = 0                # EOS and stop_token_ids masked until this many are generated
+    logit_bias: dict[int, float] | None = None       # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None       # only these may be generated
+    # Text (tokenised at intake, with and without a leading space, as vLLM does) or token id lists
+    # (transformers' bad_words_ids): the last token is masked when the others end the context.
+    bad_words: list[str | list[int]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
@@ -121,6 +142,15 @@ class SamplingParams:
     def validate(self) -> None:
         """Reject nonsense early, with a message that says what to pass instead."""
         check_fields(self, SAMPLING_RULES)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logits processor is on (the sampler skips all their work otherwise)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logit_bias)
+                or self.allowed_token_ids is not None or bool(self.bad_words))
 
     @property
     def greedy(self) -> bool:

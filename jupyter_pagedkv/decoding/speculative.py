@@ -24,6 +24,7 @@ from .drafters import Drafter, Proposal
 from ..core.scheduler import ScheduledChunk, SchedulerOutput
 from ..core.sequence import Sequence
 from .verification import verify_greedy, verify_sampled
+from ..worker.logits_processors import DraftContext
 
 logger = logging.getLogger(__name__)
 
@@ -258,10 +259,14 @@ class Speculator:
             self.cost.observe(num_tokens, seconds)
 
     def split(self, sampling: list[ScheduledChunk], logits: torch.Tensor, drafts: dict[int, Draft],
-              default_generator: torch.Generator
+              default_generator: torch.Generator, process=None
               ) -> tuple[list[ScheduledChunk], torch.Tensor, list[tuple[Sequence, list[int]]]]:
         """Verify every draft; returns the plain sampling chunks with their logits rows, and for each
-        speculating sequence the tokens to append (kept drafts plus the target's own token)."""
+        speculating sequence the tokens to append (kept drafts plus the target's own token).
+
+        `process(logits, contexts)` applies the request's logits processors: the target's row at
+        draft position j sees the context as if drafts 0 .. j-1 had been accepted, so the tokens
+        kept are those the processors would have let plain decoding pick."""
         plain, plain_rows, verified = [], [], []
         row = 0
         for c in sampling:
@@ -276,6 +281,9 @@ class Speculator:
             seq, tokens = c.seq, draft.proposal.tokens
             del seq.token_ids[draft.base_len:]
             c.num_tokens, c.num_logits = 1, 1
+            if process is not None and seq.params.has_processors:
+                rows = process(rows.float(), [DraftContext(seq.params, seq.token_ids + tokens[:j], seq.prompt_len)
+                                              for j in range(len(tokens) + 1)])
             if seq.params.greedy:
                 out = verify_greedy(rows, tokens)
             else:

@@ -100,8 +100,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         self.runner = ModelRunner(model, self.kv_cache, self.device, backend, self.pack_weights, padded,
                                   self.hold_weights, config.step_loop, config.prefill_attention,
                                   config.decode_attention)
-        self.sampler = Sampler(config.seed, self.device)
         self.eos_token_ids = setup.eos_token_ids(model, tokenizer)
+        self.sampler = Sampler(config.seed, self.device, self.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler)
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
@@ -193,7 +193,8 @@ class Engine(Stepping, EngineInspection, GenerationFront):
             params = beam.sampling_params
         params = intake.within_context(ids, params, self.max_model_len)
         intake.check_fits(ids, params, self.max_model_len, self.block_size, self.pool.num_blocks)
-        intake.check_stop_ids(params, self.vocab_size)
+        params = intake.resolve_bad_words(params, self.tokenizer)
+        intake.check_token_ids(params, self.vocab_size)
         tenant = intake.check_tenant(tenant)
         if isinstance(params.speculative, str):   # last: only a request that passed every check loads one
             self.add_drafter(params.speculative)   # a draft model named per request loads once

@@ -61,11 +61,30 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int) -> tuple[str | None, li
     return None, ids
 
 
-def check_stop_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Stop token ids the model can produce."""
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids {bad} are not in the vocabulary (ids 0 .. {vocab_size - 1})")
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Every token id a parameter names is one the model can produce (one row per parameter)."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias", list(params.logit_bias or ())),
+                      ("allowed_token_ids", list(params.allowed_token_ids or ())),
+                      ("bad_words", [t for w in params.bad_words or () for t in w])):
+        bad = sorted({t for t in ids if t >= vocab_size})
+        if bad:
+            raise ValueError(f"{name}: token ids {bad} are not in the vocabulary (ids 0 .. {vocab_size - 1})")
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:
+    """`params` with each bad word given as text replaced by its token ids, with and without a
+    leading space (as vLLM tokenises them: a word mid-sentence usually carries the space)."""
+    if not params.bad_words or not any(isinstance(w, str) for w in params.bad_words):
+        return params
+    if tokenizer is None:
+        raise ValueError("bad_words given as text need a tokenizer: pass token id lists instead")
+    words: list[list[int]] = []
+    for w in params.bad_words:
+        variants = [list(w)] if not isinstance(w, str) else \
+            [tokenizer(v, add_special_tokens=False).input_ids for v in (w.strip(), " " + w.strip())]
+        words.extend(v for v in variants if v and v not in words)
+    return dataclasses.replace(params, bad_words=words)
 
 
 def within_context(ids: list[int], params: SamplingParams | BeamSearchParams,

@@ -28,10 +28,14 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.scheduler = scheduler
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def text_of(self, seq: Sequence) -> str:
+        """A sequence's output text, special tokens kept or skipped as its request asks."""
+        return self.decode(seq.output_token_ids, getattr(seq.params, "skip_special_tokens", True))
 
     # -- tokens ---------------------------------------------------------------------------------
     def append_token(self, req: Request, seq: Sequence, token: int, now: float) -> None:
@@ -47,11 +51,12 @@ class OutputProcessor:
         elif not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif params.stop and self.tokenizer is not None:
-            text = self.decode(seq.output_token_ids)
+            text = self.text_of(seq)
             for s in params.stop:
                 at = text.find(s)
                 if at >= 0:
-                    reason, seq.stop_reason, seq.text = "stop", s, text[:at]
+                    end = at + len(s) if params.include_stop_str_in_output else at
+                    reason, seq.stop_reason, seq.text = "stop", s, text[:end]
                     break
         if reason is None and (seq.num_output_tokens >= params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
@@ -75,7 +80,7 @@ class OutputProcessor:
         try:
             for seq in req.seqs:
                 if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-                    seq.text = self.decode(seq.output_token_ids)
+                    seq.text = self.text_of(seq)
             if req.beam is not None:
                 req.beam.finalize(self.decode, req.seqs)
         except Exception as err:   # its text cannot be made: the request ends with that error
@@ -93,7 +98,7 @@ class OutputProcessor:
     def output(self, req: Request) -> RequestOutput:
         completions = []
         for i, seq in enumerate(req.seqs):
-            text = seq.text if seq.is_finished else self.decode(seq.output_token_ids)
+            text = seq.text if seq.is_finished else self.text_of(seq)
             completions.append(CompletionOutput(i, text, list(seq.output_token_ids),
                                                 seq.finish_reason, seq.stop_reason))
         if req.beam is not None and req.finished:
@@ -110,7 +115,7 @@ class OutputProcessor:
         seq = req.seqs[0]
         finished = req.finished
         tokens = seq.output_token_ids
-        text = seq.text if finished else self.decode(tokens)
+        text = seq.text if finished else self.text_of(seq)
         if req.beam is not None:
             if not finished:
                 return   # beams reorder every step: only the final hypotheses are published

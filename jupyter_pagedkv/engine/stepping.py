@@ -65,7 +65,8 @@ class Stepping:
         self.speculator.observe(sched, drafts, self.runner.last_forward_s)
         verified = []
         if drafts:   # takes the drafts back out of token_ids before anything is hashed
-            sampling, logits, verified = self.speculator.split(sampling, logits, drafts, self.sampler.generator)
+            sampling, logits, verified = self.speculator.split(sampling, logits, drafts, self.sampler.generator,
+                                                                self.sampler.process)
         touched = self._commit_computed(sched, t0)
         for seq, err in self.speculator.take_failures():      # their plain decode ran: KV is sound
             self._fail([self._requests.get(seq.request_id)], err)

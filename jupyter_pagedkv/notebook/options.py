@@ -99,6 +99,11 @@ def load_arguments(f: Callable) -> Callable:
     return f
 
 
+# The logits-processor options beside their "off" values: beam search takes none of them.
+PROCESSOR_DEFAULTS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                      "frequency_penalty": 0.0, "min_tokens": 0, "bad_word": None}
+
+
 def sampling_arguments(f: Callable) -> Callable:
     """The options %%generate and %%chat share."""
     for arg in reversed([
@@ -107,6 +112,20 @@ def sampling_arguments(f: Callable) -> Callable:
         argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)"),
         argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]"),
         argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)"),
+        argument("--min-p", type=float, default=0.0,
+                 help="drop tokens under P x the most likely one's probability (0: off)"),
+        argument("--repetition-penalty", type=float, default=1.0,
+                 help="> 1 discourages every token of the prompt and the answer so far (1: off)"),
+        argument("--presence-penalty", type=float, default=0.0,
+                 help="[-2, 2], subtracted once from each token the answer already holds (0: off)"),
+        argument("--frequency-penalty", type=float, default=0.0,
+                 help="[-2, 2], subtracted per occurrence in the answer so far (0: off)"),
+        argument("--min-tokens", type=int, default=0, help="no EOS or stop token before N new tokens"),
+        argument("--bad-word", action="append", default=None, metavar="W",
+                 help="never generate the word W (repeatable)"),
+        argument("--include-stop-str", action="store_true", help="keep the --stop text at the end of the answer"),
+        argument("--keep-special-tokens", action="store_true",
+                 help="show special tokens (such as EOS) in the answer's text"),
         argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling"),
         argument("--stop", action="append", default=None, metavar="S",
                  help="stop when the text contains S (repeatable; \\n and \\t are understood)"),
@@ -132,6 +151,8 @@ def _flagged(err: ValueError) -> UsageError:
     if rest and field.isidentifier():
         flag = "--beams" if field == "beam_width" else "--" + field.replace("_", "-")
         text = f"{flag} must be {rest}"
+    else:   # a rule between two fields, e.g. "min_tokens (9) must not exceed max_tokens (4)"
+        text = re.sub(r"\b(min_tokens|max_tokens)\b", lambda m: "--" + m.group(1).replace("_", "-"), text)
     return UsageError(text)
 
 
@@ -143,7 +164,12 @@ def sampling_params(args):
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              stop=[unescape(s) for s in args.stop or []], n=getattr(args, "n", 1))
+                              stop=[unescape(s) for s in args.stop or []], n=getattr(args, "n", 1),
+                              min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              min_tokens=args.min_tokens, bad_words=args.bad_word,
+                              include_stop_str_in_output=args.include_stop_str,
+                              skip_special_tokens=not args.keep_special_tokens)
     except ValueError as err:
         raise _flagged(err) from None
 
@@ -164,6 +190,8 @@ def beam_params(args):
     clash = [name for name, used in (("--n", args.n != 1), ("--temperature", args.temperature != 0.0),
                                      ("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
                                      ("--seed", args.seed is not None), ("--stop", bool(args.stop)),
+                                     *((f"--{name.replace('_', '-')}", getattr(args, name) != off)
+                                       for name, off in PROCESSOR_DEFAULTS.items()),
                                      ("--speculative", args.speculative is not None))
              if used]
     if clash:

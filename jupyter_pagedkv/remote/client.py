@@ -35,6 +35,7 @@ from .errors import RemoteError
 from .inspection import RemoteInspection
 from ..engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
 from ..core.sampling_params import SamplingParams
+from .request_fields import openai_fields, vllm_fields
 
 
 logger = logging.getLogger(__name__)
@@ -257,19 +258,13 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)
-        # vLLM's extensions of the OpenAI request; other servers would reject unknown fields.
+        body.update(openai_fields(params))
+        extensions = vllm_fields(params)
         if self.version is not None:
             body["return_token_ids"] = True
-            if params.top_k > 0:
-                body["top_k"] = params.top_k
-            if params.min_p > 0:
-                body["min_p"] = params.min_p
-            if params.ignore_eos:
-                body["ignore_eos"] = True
-            if params.stop_token_ids:
-                body["stop_token_ids"] = list(params.stop_token_ids)
-        elif params.top_k > 0 or params.min_p > 0 or params.ignore_eos or params.stop_token_ids:
-            raise ValueError("top_k, min_p, ignore_eos and stop_token_ids need a vLLM server")
+            body.update(extensions)
+        elif extensions:
+            raise ValueError(f"{', '.join(extensions)} need a vLLM server")
         return body
 
     def _run(self, req: RemoteRequest, body: dict, chat: bool) -> None:

@@ -15,6 +15,10 @@ chosen over a generator per row for everything (one kernel per unseeded row) and
 this same race over the same `vocab` draws, so a seeded row's tokens are those of the earlier
 per-row multinomial sampler (checked on torch 2.13); unseeded rows now share one draw, so their
 (unreproducible anyway) tokens differ. On CUDA, seeded tokens are the race's on that device.
+
+Before any of this, the requests' logits processors (penalties, logit_bias, bad words,
+allowed_token_ids, min_tokens: `logits_processors.py`) change the rows that have any, greedy rows
+included; a batch in which no row has one skips them at the cost of one Python check per row.
 """
 from __future__ import annotations
 
@@ -23,11 +27,15 @@ import math
 import torch
 
 from ..core.sequence import Sequence
+from .logits_processors import apply_processors
+from .upload import upload
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu",
+                 eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
         self.device = torch.device(device)
+        self.eos_token_ids = eos_token_ids   # what min_tokens masks besides stop_token_ids
         self.generator = torch.Generator(device=self.device)
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -35,7 +43,7 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        logits = logits.float()
+        logits = self.process(logits.float(), seqs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
@@ -46,6 +54,10 @@ class Sampler:
             drawn = race(probs, self._noise(probs, [seqs[i].generator for i in random_rows]))
             tokens = drawn if everyone else tokens.index_copy(0, rows, drawn)
         return tokens.tolist()
+
+    def process(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
+        """The rows' logits processors applied (the same tensor when no row has any)."""
+        return apply_processors(logits, rows, self.eos_token_ids)
 
     def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """E ~ Exp(1) per entry: all rows from the engine's generator in one call, then each
@@ -87,14 +99,6 @@ class Sampler:
                 sorted_logits = sorted_logits.masked_fill(gap < log_min_ps.unsqueeze(1), float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         return logits.softmax(dim=-1)
-
-
-def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`. On CUDA it goes through pinned memory with a
-    non-blocking copy: a copy from pageable memory would first wait for the queued forward."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -231,6 +231,16 @@ def test_system_and_raw_and_stop(ip):
     assert ip.user_ns["s"].finish_reason == "stop" and " " not in ip.user_ns["s"].text.strip()
 
 
+def test_penalties_and_bad_words_reach_the_request(ip):
+    run(ip, "%%generate --max-tokens 12 --raw --out plain\nThe capital of France is")
+    assert "Paris" in ip.user_ns["plain"].text
+    run(ip, "%%generate --max-tokens 12 --raw --repetition-penalty 1.3 --bad-word Paris --out r\n"
+            "The capital of France is")
+    out = ip.user_ns["r"]
+    assert "Paris" not in out.text
+    assert current().engine._requests == {} and out.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("option, message", [
     ("--n 0", "--n must be a positive integer"),
     ("--n 100000", "n=100000 needs 100000 sequences .* max_num_seqs=64"),
@@ -241,6 +251,10 @@ def test_system_and_raw_and_stop(ip):
     ("--temperature -1", "temperature must be a finite number >= 0"),
     ("--max-tokens 0", "--max-tokens must be a positive integer"),
     ("--top-p 2", r"--top-p must be a number in \(0, 1\]"),
+    ("--repetition-penalty 0", "--repetition-penalty must be a finite number > 0"),
+    ("--presence-penalty 3", r"--presence-penalty must be in \[-2, 2\]"),
+    ("--min-tokens 9 --max-tokens 4", r"--min-tokens \(9\) must not exceed --max-tokens \(4\)"),
+    ("--beams 2 --repetition-penalty 1.2", "--beams is deterministic .* --repetition-penalty: drop it"),
     ("--out 2x", "not a valid variable name"),
     ("--max-tokens many", "invalid int value"),
     ("--system 'unclosed", "cannot read the options: No closing quotation"),

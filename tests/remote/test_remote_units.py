@@ -205,3 +205,22 @@ def test_monitor_feed_and_widget_follow_the_server(fake):
     widget.close()
     client.shutdown()
     assert client.monitor_feed.num_subscribers == 0
+
+
+def test_processor_parameters_travel_under_vllms_names(fake):
+    handler, url = fake
+    client = Engine.connect(url + "/v1")
+    client.generate("ok", SamplingParams(max_tokens=2, repetition_penalty=1.2, presence_penalty=0.5,
+                                         frequency_penalty=-0.5, min_tokens=1, logit_bias={7: -3.0},
+                                         allowed_token_ids=[1, 2, 7], bad_words=["no"],
+                                         include_stop_str_in_output=True, skip_special_tokens=False))
+    body = handler.bodies[-1]
+    assert {k: body[k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+                                 "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
+                                 "skip_special_tokens")} == dict(
+        repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5, min_tokens=1, logit_bias={"7": -3.0},
+        allowed_token_ids=[1, 2, 7], bad_words=["no"], include_stop_str_in_output=True, skip_special_tokens=False)
+    client.generate("ok", SamplingParams(max_tokens=2))
+    assert not {"repetition_penalty", "min_tokens", "bad_words", "logit_bias"} & set(handler.bodies[-1])
+    with pytest.raises(ValueError, match="bad_words as text only"):
+        client.add_request("ok", SamplingParams(bad_words=[[3, 4]]))
