@@ -61,6 +61,21 @@ SAMPLING_RULES: dict[str, Rule] = {
                                           "max_num_seqs)"),
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
     "speculative": SPECULATIVE,
+    # The logits processors (worker/logits_processors.py). Token ids are checked against the
+    # vocabulary at intake (engine/intake.py: check_token_ids).
+    "repetition_penalty": (lambda v: is_number(v) and v > 0, "a finite number > 0 (1 = off)"),
+    "presence_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "in [-2, 2] (0 = off)"),
+    "frequency_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "in [-2, 2] (0 = off)"),
+    "min_tokens": (lambda v: is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "logit_bias": (lambda v: v is None or (isinstance(v, dict) and all(
+        _token_id(t) and is_number(b) for t, b in v.items())),
+        "None or a dict of token id (integer >= 0) -> finite bias"),
+    "allowed_token_ids": (lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) > 0 and all(
+        _token_id(t) for t in v)), "None or a non-empty list of token ids (integers >= 0)"),
+    "bad_words": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(_bad_word(w) for w in v)),
+                  "None or a list of non-empty strings or non-empty token id lists"),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "True or False"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 BEAM_RULES: dict[str, Rule] = {
