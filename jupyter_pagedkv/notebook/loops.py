@@ -61,11 +61,17 @@ class OracleCheck:
 
 
 def check_against_transformers(model, prompt: list[int], ours: list[int], max_tokens: int) -> OracleCheck:
-    """Rerun `prompt` through transformers' greedy `generate` (stopping at EOS, as the engine
-    does) and compare token by token."""
-    from ..bench.models import hf_greedy
+    """Rerun `prompt` through transformers' greedy `generate` (one unpadded prompt, stopping at
+    the model's EOS as the engine does) and compare token by token."""
+    import torch
 
-    ref = hf_greedy(model, prompt, max_tokens, stop_at_eos=True)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=model.config.eos_token_id, pad_token_id=0,
+                             temperature=None, top_p=None, top_k=None)
+    ref = out[0, len(prompt):].tolist()
     if ref == list(ours):
         return OracleCheck(True)
     return OracleCheck(False, next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b),
