@@ -149,8 +149,8 @@ def test_a_looping_greedy_answer_is_found_and_is_the_models_own(embedded, make_e
     model, tokenizer = embedded
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about a cat sleeping in the sun."}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
-    out = make_engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=64, temperature=0.0))[0]
+    out = make_engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
     loop = find_loop(out.token_ids)
-    assert loop is not None and loop.repeats >= 5, out.text
-    check = check_against_transformers(model, prompt, out.token_ids, 64)
+    assert loop is not None and loop.repeats >= 4, out.text
+    check = check_against_transformers(model, prompt, out.token_ids, 40)
     assert check.identical and "identical to transformers' generate" in check.line(loop)
