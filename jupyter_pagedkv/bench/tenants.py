@@ -29,7 +29,8 @@ from pathlib import Path
 from ..core.tenancy import TenantSpec
 from .tail import style_panels
 from ..sim.summary import RequestTiming
-from ..sim.tenant_workload import NOISY, QUIET, BlockSeries, TenantMix, block_series, noisy_neighbour, tenant_figures
+from ..sim.tenant_workload import (NOISY, QUIET, SHARED, BlockSeries, TenantMix, block_series, blocks_by_owner,
+                                   noisy_neighbour, tenant_figures)
 
 POLICIES = ("fcfs", "fair")
 POLICY_COLOURS = {"fcfs": "#D55E00", "fair": "#0072B2"}     # Okabe-Ito vermillion and blue
@@ -145,7 +146,7 @@ class TenantedEngine:
     def __init__(self, engine, tenants: tuple[str, ...], first_arrival: float) -> None:
         self.engine, self.tenants, self._first_arrival = engine, tenants, first_arrival
         self.t0: float | None = None
-        self.series = BlockSeries([], [], {t: [] for t in tenants})
+        self.series = BlockSeries([], [], {t: [] for t in (*tenants, SHARED)})
         self._step_s: float | None = None
 
     def add_request(self, prompt, params, request_id: str, priority: int = 0) -> str:
@@ -162,10 +163,8 @@ class TenantedEngine:
     def stats(self):
         s = self.engine.stats()
         if self._step_s is not None:   # serve reads stats once after each step
-            self.series.times.append(time.perf_counter() - self.t0)
-            self.series.durations.append(self._step_s)
-            for t in self.tenants:
-                self.series.blocks[t].append(s.tenants[t].blocks_used if t in s.tenants else 0)
+            held = blocks_by_owner(self.engine.pool_snapshot()["tenants"])
+            self.series.append(time.perf_counter() - self.t0, self._step_s, held)
             self._step_s = None
         return s
 
@@ -231,30 +230,37 @@ def real_scale(args, weights: dict[str, float]) -> tuple[dict, dict[str, PolicyR
 
 
 # -- figure and command line ----------------------------------------------------------------------
-def tenants_figure(runs: dict[str, PolicyRun], label: str):
-    """Three panels: the quiet tenant's TTFT by arrival time under each policy, then the blocks each
-    tenant held over time (% of the pool) under FCFS and under fair share."""
+def tenants_figure(runs: dict[str, PolicyRun], label: str, clock: str = "time (s)"):
+    """The quiet tenant's TTFT by arrival time under each run, then one panel per run (an
+    allocator or a scheduling policy: the keys of `runs`) of the blocks each tenant held over time
+    (% of the pool), blocks several tenants share drawn once, in their own band. Every panel
+    shares one time axis, `clock` (seconds, or engine steps for a run counted in steps)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    fig, axes = plt.subplots(1, 1 + len(runs), figsize=(5.3 * (1 + len(runs)), 4.4), sharex=True)
     ax = axes[0]
-    tail = tenant_figures(runs["fcfs"].timings, QUIET).tail_name
-    for p, marker in (("fcfs", "o"), ("fair", "s")):
-        quiet = sorted((t for t in runs[p].timings if t.tenant == QUIET), key=lambda t: t.arrival_s)
-        ax.plot([t.arrival_s for t in quiet], [t.ttft for t in quiet], marker, ms=3.5, color=POLICY_COLOURS[p],
-                label=f"{p}: {tail} {tenant_figures(runs[p].timings, QUIET).ttft_tail_s:.2f} s")
-    burst = min(t.arrival_s for t in runs["fcfs"].timings if t.tenant == NOISY)
+    first = next(iter(runs.values()))
+    tail = tenant_figures(first.timings, QUIET).tail_name
+    unit = clock[clock.find("(") + 1:clock.find(")")] if "(" in clock else clock
+    for (p, run), marker in zip(runs.items(), "o^sDv"):
+        quiet = sorted((t for t in run.timings if t.tenant == QUIET), key=lambda t: t.arrival_s)
+        ax.plot([t.arrival_s for t in quiet], [t.ttft for t in quiet], marker, ms=3.5,
+                color=POLICY_COLOURS.get(p, "#CC79A7"),
+                label=f"{p}: {tail} {tenant_figures(run.timings, QUIET).ttft_tail_s:.3g} {unit}")
+    burst = min(t.arrival_s for t in first.timings if t.tenant == NOISY)
     ax.axvline(burst, color="grey", lw=0.8, ls=":", label="noisy burst arrives")
-    ax.set(xlabel="quiet request's arrival (s)", ylabel="time to first token (s)", yscale="log",
+    ax.set(xlabel=f"quiet request's arrival ({unit})", ylabel=f"time to first token ({unit})", yscale="log",
            title="quiet tenant: waiting for the first token")
-    for ax, p in zip(axes[1:], POLICIES):
+    for ax, (p, run) in zip(axes[1:], runs.items()):
         s = runs[p].series
-        ys = [[100 * b / runs[p].num_blocks for b in s.blocks[t]] for t in (QUIET, NOISY)]
-        ax.stackplot(s.times, *ys, colors=[TENANT_COLOURS[QUIET], TENANT_COLOURS[NOISY]], step="pre",
-                     labels=[f"{t} ({100 * s.share(t):.0f}% of held)" for t in (QUIET, NOISY)])
+        bands = [b for b in (QUIET, NOISY, SHARED) if b in s.blocks]
+        ys = [[100 * b / run.num_blocks for b in s.blocks[t]] for t in bands]
+        colours = {**TENANT_COLOURS, SHARED: "#999999"}
+        ax.stackplot(s.times, *ys, colors=[colours[b] for b in bands], step="pre",
+                     labels=[f"{t} ({100 * s.share(t):.0f}% of held)" for t in bands])
         ax.axvline(burst, color="grey", lw=0.8, ls=":")
-        ax.set(xlabel="time (s)", ylabel="KV blocks held (% of pool)", ylim=(0, 105),
-               title=f"{p}: the pool by tenant ({runs[p].preemptions} preemptions)")
+        ax.set(xlabel=clock, ylabel="KV blocks held (% of pool)", ylim=(0, 105),
+               title=f"{p}: the pool by tenant ({run.preemptions} preemptions)")
     style_panels(axes)
     fig.suptitle(label + ("" if tail == "P99" else " (tail = max: fewer than 20 quiet requests)"), fontsize=10)
     fig.tight_layout()

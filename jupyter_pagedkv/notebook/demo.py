@@ -1,5 +1,6 @@
 """The main job (`make demo`): 8 chat prompts of different lengths at once on the embedded model,
-their answers, then the block-pool summary."""
+their answers, then the block-pool summary. An answer that loops (greedy decoding of a 135M model
+can) gets one line beside it saying whether transformers' `generate` gives the same tokens."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +8,15 @@ import time
 
 from ..core.sampling_params import SamplingParams
 from ..engine.engine import Engine
+from .loops import check_against_transformers, find_loop
 
 QUESTIONS = [
     "Hi!",
     "What is the capital of France?",
     "Name three primary colours.",
     "Explain in two sentences why the sky is blue.",
-    "Write a haiku about a cat sleeping in the sun.",
-    "Give me three tips for writing clear Python code, one line each.",
+    "What is photosynthesis? Answer in one sentence.",
+    "Give me three tips for a good night's sleep.",
     "A train leaves at 3 pm and travels for 2 hours at 60 km/h. How far does it go, and when does "
     "it arrive? Explain step by step.",
     "I am planning a small vegetable garden on a sunny balcony. Which five vegetables grow well in "
@@ -48,10 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t1
     outputs = [done[i] for i in ids]
     generated = sum(len(o.token_ids) for o in outputs)
+    oracle = None
     for q, o in zip(QUESTIONS, outputs):
         print(f"\n### {q}\n{o.text.strip()}")
         print(f"   [{len(o.prompt_token_ids)} prompt tokens, {o.num_cached_tokens} cached, "
               f"{len(o.token_ids)} generated, finish: {o.finish_reason}, TTFT {o.metrics.ttft * 1e3:.0f} ms]")
+        loop = find_loop(o.token_ids)
+        if loop is not None:
+            if oracle is None:    # a second, plain transformers copy of the model: an independent check
+                from ..worker.loader import load_model
+                oracle = load_model(args.model, engine.dtype, engine.device).model
+            check = check_against_transformers(oracle, list(o.prompt_token_ids), list(o.token_ids),
+                                               params.max_tokens)
+            print(check.line(loop))
     live = peak.num_running + peak.num_waiting
     print(f"\n== block pool at its fullest ({live} live sequences) ==")
     print(f"{peak.num_used} blocks used, {peak.tokens_stored} tokens stored in "

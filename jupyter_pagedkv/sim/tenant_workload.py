@@ -19,6 +19,7 @@ from .summary import RequestTiming, percentile, tail
 from .workload import SimRequest, _tokens, arrivals
 
 QUIET, NOISY = "quiet", "noisy"
+SHARED = "shared"      # a BlockSeries band: blocks several tenants hold, counted once
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,13 @@ class BlockSeries:
     durations: list[float]             # each step's length
     blocks: dict[str, list[int]]       # tenant -> blocks held after each step
 
+    def append(self, time_s: float, duration_s: float, held: dict[str, int]) -> None:
+        """One step: the clock after it, its length, and the blocks each band held (0 if absent)."""
+        self.times.append(time_s)
+        self.durations.append(duration_s)
+        for band, series in self.blocks.items():
+            series.append(held.get(band, 0))
+
     def utilisation(self, num_blocks: int) -> float:
         """Blocks held / pool, time-weighted over the steps."""
         total = sum(self.durations)
@@ -100,6 +108,17 @@ class BlockSeries:
         weigh = lambda b: sum(d * x for d, x in zip(self.durations, b))
         total = sum(weigh(b) for b in self.blocks.values())
         return weigh(self.blocks.get(tenant, [])) / total if total else math.nan
+
+
+def blocks_by_owner(block_tenants: dict[int, list[str]]) -> dict[str, int]:
+    """Each block in use counted once: under its one tenant, or under SHARED when several tenants
+    hold it (`pool_snapshot()["tenants"]`), so the bands of a stacked plot add up to the blocks in
+    use and never pass the pool. (EngineStats.tenants counts a shared block for every holder.)"""
+    held: dict[str, int] = {}
+    for names in block_tenants.values():
+        band = names[0] if len(names) == 1 else SHARED
+        held[band] = held.get(band, 0) + 1
+    return held
 
 
 def block_series(trace, requests: list[SimRequest], block_size: int) -> tuple[BlockSeries, dict[str, float]]:

@@ -333,7 +333,11 @@ def paging_story(engine: Any = None) -> list[PagingFrame]:
                       f"cached blocks {', '.join(map(str, c.block_ids[:hit() // bs]))}")
     _step_until(engine, lambda: engine.stats().num_preemptions > 0, "a preemption")
     gone = [t.label for t in capture(engine).tables if t.state in ("preempted", "swapped")]
-    shot("preempt", f"pool full: {', '.join(gone)} preempted, blocks freed, waits to recompute")
+    who = "it" if len(gone) == 1 else "they"
+    # The shot is taken once the victim has given its blocks back, so say so: its former blocks
+    # are drawn free, not the full pool that forced the preemption.
+    shot("preempt", f"pool ran dry: {', '.join(gone)} preempted; drawn after {who} freed "
+                    f"{'its' if who == 'it' else 'their'} blocks (to recompute later)")
     _step_until(engine, lambda: not engine.has_unfinished_requests(), "the end of the run")
     s = engine.stats()
     shot("free", f"all done: {s.num_cached} full blocks stay cached (ref 0), {s.num_free} free")

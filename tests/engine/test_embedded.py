@@ -139,3 +139,18 @@ def test_benchmark_conversations_carry_their_own_history(embedded, make_engine):
         first = engine.chat([req.messages], SamplingParams(max_tokens=8, temperature=0.0))[0].text.strip()
         assert conv[1]["content"] == first          # the reply the model gives to the first question
     assert req.messages == [req.messages[0]]         # the requests themselves are left as they were
+
+
+def test_a_looping_greedy_answer_is_found_and_is_the_models_own(embedded, make_engine):
+    """The demo's loop note is true: this prompt loops under fp32 greedy decoding, the detector
+    finds the loop, and transformers' own `generate` gives the very same tokens."""
+    from jupyter_pagedkv.notebook.loops import check_against_transformers, find_loop
+
+    model, tokenizer = embedded
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about a cat sleeping in the sun."}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    out = make_engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    loop = find_loop(out.token_ids)
+    assert loop is not None and loop.repeats >= 4, out.text
+    check = check_against_transformers(model, prompt, out.token_ids, 40)
+    assert check.identical and "identical to transformers' generate" in check.line(loop)

@@ -311,3 +311,42 @@ def test_the_widget_also_leaves_a_still_image_for_pages_where_no_widget_runs(mak
     wide = big.monitor()
     assert wide.still_png() is None and "image/png" not in wide._repr_mimebundle_()[0]
     wide.close()
+
+
+def test_the_still_image_is_refreshed_to_the_busiest_moment_after_a_cell(make_engine, monkeypatch):
+    """A monitor shown before the cells that fill the pool is saved showing their busiest moment,
+    captioned with the cell, not the empty pool it saw when it was displayed."""
+    from types import SimpleNamespace
+
+    import IPython.display
+
+    pytest.importorskip("anywidget")
+    engine = make_engine(MODEL, block_size=4, num_blocks=64)
+    feed = manual_feed(engine)
+    monitor = engine.monitor()
+
+    class Handle:
+        def __init__(self, data, metadata=None, **_):
+            self.data, self.metadata = data, metadata
+
+        def update(self, data, metadata=None, **_):
+            self.data, self.metadata = data, metadata
+
+    shown: list[Handle] = []
+    monkeypatch.setattr(IPython.display, "display", lambda data, **kw: shown.append(Handle(data, **kw)) or shown[-1])
+    monitor._ipython_display_()
+    assert shown[0].metadata["jupyter_pagedkv"] == {"still": "at display time", "blocks_in_use": 0,
+                                                    "blocks_cached": 0}
+    engine.add_request(PROMPT, GREEDY)
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        feed.publish()
+        peak = max(peak, engine.stats().num_used)
+    monitor._refresh_still(SimpleNamespace(execution_count=7))
+    meta = shown[0].metadata["jupyter_pagedkv"]
+    assert meta["blocks_in_use"] == peak > 0 and "cell [7]" in meta["still"]
+    assert "application/vnd.jupyter.widget-view+json" in shown[0].data and "image/png" in shown[0].data
+    monitor._refresh_still(SimpleNamespace(execution_count=8))     # no busier moment: left as it was
+    assert "cell [7]" in shown[0].metadata["jupyter_pagedkv"]["still"]
+    monitor.close()

@@ -101,3 +101,11 @@ def test_the_real_run_sends_each_request_under_its_tenant(make_engine):
     assert all(outs[p.request_id].tenant == p.request_id.split("-")[0] for p in prompts)
     assert len(tagged.series.times) == len(tagged.series.blocks[NOISY]) > 0
     assert max(tagged.series.blocks[QUIET]) >= 2    # two quiet requests of one block each, at once
+
+
+def test_a_block_two_tenants_hold_is_counted_once_in_its_own_band():
+    from jupyter_pagedkv.sim.tenant_workload import SHARED, blocks_by_owner
+
+    held = blocks_by_owner({0: [QUIET, NOISY], 1: [NOISY], 2: [NOISY], 5: [QUIET]})
+    assert held == {SHARED: 1, NOISY: 2, QUIET: 1}
+    assert sum(held.values()) == 4                  # the blocks in use, so a stack never passes the pool
