@@ -98,6 +98,13 @@ def assert_nothing_left(engine: Engine) -> None:
     assert engine.pool.num_free == engine.pool.num_blocks, "a block leaked"
 
 
+def assert_refused(engine: Engine, err: ValueError) -> None:
+    """A refusal is a plain ValueError of one line, with nothing queued or held."""
+    assert type(err) is ValueError, f"{type(err).__name__}: {err}"
+    assert_one_line(err)
+    assert_nothing_left(engine)
+
+
 @pytest.mark.timeout(1200)   # 500 examples: ~5 min on a machine shared five ways
 @PROPERTY
 @given(prompt=st.one_of(prompts, st.lists(prompts, max_size=3)), kind=st.sampled_from([SamplingParams, BeamSearchParams]),
@@ -116,9 +123,7 @@ def test_every_request_is_served_or_refused_in_one_line(engine, prompt, kind, sa
             rid = engine.add_request(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
             outputs = engine._wait([rid])
     except ValueError as err:
-        assert type(err) is ValueError, f"{type(err).__name__}: {err}"
-        assert_one_line(err)
-        assert_nothing_left(engine)
+        assert_refused(engine, err)
         return
     assert_nothing_left(engine)
     if kind is SamplingParams and call != "beam_search":
@@ -137,13 +142,18 @@ BAD_VALUES = [None, True, False, 0, -1, 2.5, float("nan"), float("inf"), "2", ""
 GOOD_VALUES = {"max_tokens": [3], "temperature": [0.0, 0.8], "top_p": [0.5], "top_k": [3], "seed": [7],
                "stop": ["x", ["ab"]], "stop_token_ids": [[2]], "n": [3], "ignore_eos": [True],
                "speculative": ["ngram", " "], "prompt": ["hi", (5, 6)], "tenant": ["bob"], "priority": [1],
-               "request_id": ["mine"]}
+               "request_id": ["mine"],
+               # the logits processors (worker/logits_processors.py) and min-p
+               "min_p": [0.1], "repetition_penalty": [1.2], "presence_penalty": [0.5],
+               "frequency_penalty": [-0.5], "min_tokens": [1], "logit_bias": [{5: 1.5}],
+               "allowed_token_ids": [[5, 6, 7]], "bad_words": [["x"], [[5, 6]]],
+               "include_stop_str_in_output": [True], "skip_special_tokens": [False]}
 # (a speculative text other than 'ngram' names a draft model to load: not tried here)
 FIELD_VALUES = [(name, v) for name in sorted(GOOD_VALUES) for v in BAD_VALUES + GOOD_VALUES[name]
                 if not (name == "speculative" and isinstance(v, str) and v.strip() and v != "ngram")]
 
 
-@settings(PROPERTY, max_examples=500)
+@settings(PROPERTY, max_examples=max(500, 2 * len(FIELD_VALUES)))
 @given(pair=st.sampled_from(FIELD_VALUES))
 def test_any_value_in_any_one_field_is_served_or_refused_in_one_line(engine, pair):
     name, value = pair
@@ -156,9 +166,7 @@ def test_any_value_in_any_one_field_is_served_or_refused_in_one_line(engine, pai
                                  priority=request["priority"], tenant=request["tenant"])
         out = engine._wait([rid])[0]
     except ValueError as err:
-        assert type(err) is ValueError, f"{type(err).__name__}: {err}"
-        assert_one_line(err)
-        assert_nothing_left(engine)
+        assert_refused(engine, err)
         return
     assert_nothing_left(engine)
     assert out.finished and len(out.outputs) == params.n
@@ -173,9 +181,7 @@ def test_every_chat_is_served_or_refused_in_one_line(engine, conversation, sampl
     try:
         outputs = engine.chat(conversation, SamplingParams(**sampling))
     except ValueError as err:
-        assert type(err) is ValueError, f"{type(err).__name__}: {err}"
-        assert_one_line(err)
-        assert_nothing_left(engine)
+        assert_refused(engine, err)
         return
     assert_nothing_left(engine)
     assert all(o.finished for o in outputs)
