@@ -7,7 +7,7 @@ from torch import nn
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.worker import held_weights
+from jupyter_pagedkv.worker import held_weights, packed_linear
 from jupyter_pagedkv.worker.packed_linear import pack_linears, packed_gemms, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -26,6 +26,10 @@ def linears(model: nn.Module) -> list[nn.Linear]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_identity_gemm_gives_back_the_packed_weight_bit_for_bit(dtype):
+    if dtype not in packed_linear.packable_dtypes():
+        # This CPU's oneDNN has no bf16 GEMMs (no AVX-512): the engine never packs bf16 here.
+        assert not packed_linear.should_pack(torch.device("cpu"), dtype)
+        return
     g = torch.Generator().manual_seed(3)
     for shape in ((96, 64), (48, 160), (200, 33)):
         weight = (torch.randn(shape, generator=g) * 0.1).to(dtype)
