@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 # A field's rule: (does the value pass, what to pass instead).
 Rule = tuple[Callable[[Any], bool], str]
 _SEED_LIMIT = 2 ** 63   # torch.Generator.manual_seed takes less than 2**64; forks hash into 2**63
+MAX_LOGPROBS = 20       # most alternatives per token (vLLM's default max_logprobs)
 
 
 def is_int(x: Any) -> bool:
@@ -76,6 +77,12 @@ SAMPLING_RULES: dict[str, Rule] = {
                   "None or a list of non-empty strings or non-empty token id lists"),
     "include_stop_str_in_output": (lambda v: isinstance(v, bool), "True or False"),
     "skip_special_tokens": (lambda v: isinstance(v, bool), "True or False"),
+    # Log-probabilities (engine/logprobs.py): top alternatives per token, from the raw model
+    # distribution. The vocabulary bound is checked at intake.
+    "logprobs": (lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
+                 f"None or an integer in [0, {MAX_LOGPROBS}] (alternatives per generated token)"),
+    "prompt_logprobs": (lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
+                        f"None or an integer in [0, {MAX_LOGPROBS}] (alternatives per prompt token)"),
 }
 
 BEAM_RULES: dict[str, Rule] = {
@@ -148,6 +155,12 @@ class SamplingParams:
     bad_words: list[str | list[int]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Log-probabilities from the raw model distribution (before temperature, the cuts and the
+    # logits processors, as vLLM's default): per generated token the chosen token's and the top
+    # `logprobs` alternatives'; per prompt token from the second on, the same with `prompt_logprobs`
+    # (a request asking for them skips prefix-cache hits until its prompt is computed). None: off.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)

@@ -36,6 +36,9 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     num_logits: int = 1   # logits rows wanted at the chunk's end (k + 1 when verifying k drafts)
+    # (first position, count): rows whose logits a request's prompt_logprobs need, set by the
+    # engine before the forward (engine/logprobs.py); the runner hands them back apart.
+    prompt_logits: tuple[int, int] | None = None
 
     @property
     def samples(self) -> bool:
@@ -386,6 +389,8 @@ class Scheduler:
         pool = self.pool
         if not pool.enable_prefix_caching:
             return []
+        if getattr(seq.params, "prompt_logprobs", None) is not None and not seq.num_output_tokens:
+            return []   # its prompt_logprobs need every prompt position's logits (as vLLM: recompute)
         bs = pool.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         hits = []

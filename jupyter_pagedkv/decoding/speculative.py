@@ -260,9 +260,10 @@ class Speculator:
 
     def split(self, sampling: list[ScheduledChunk], logits: torch.Tensor, drafts: dict[int, Draft],
               default_generator: torch.Generator, process=None
-              ) -> tuple[list[ScheduledChunk], torch.Tensor, list[tuple[Sequence, list[int]]]]:
+              ) -> tuple[list[ScheduledChunk], torch.Tensor, list[tuple[Sequence, list[int], torch.Tensor]]]:
         """Verify every draft; returns the plain sampling chunks with their logits rows, and for each
-        speculating sequence the tokens to append (kept drafts plus the target's own token).
+        speculating sequence the tokens to append (kept drafts plus the target's own token) with
+        the verify pass's raw logits rows they were picked at (what their logprobs read).
 
         `process(logits, contexts)` applies the request's logits processors: the target's row at
         draft position j sees the context as if drafts 0 .. j-1 had been accepted, so the tokens
@@ -276,7 +277,7 @@ class Speculator:
                 plain_rows.append(row)
                 row += c.num_logits
                 continue
-            rows = logits[row:row + c.num_logits]
+            rows = raw = logits[row:row + c.num_logits]
             row += c.num_logits
             seq, tokens = c.seq, draft.proposal.tokens
             del seq.token_ids[draft.base_len:]
@@ -294,7 +295,7 @@ class Speculator:
             self.stats.num_verifications += 1
             self.stats.num_proposed += len(tokens)
             self.stats.num_accepted += kept
-            verified.append((seq, out))
+            verified.append((seq, out, raw[:len(out)]))
         plain_logits = logits if len(plain_rows) == row else logits[plain_rows]
         return plain, plain_logits, verified
 

@@ -195,6 +195,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         intake.check_fits(ids, params, self.max_model_len, self.block_size, self.pool.num_blocks)
         params = intake.resolve_bad_words(params, self.tokenizer)
         intake.check_token_ids(params, self.vocab_size)
+        intake.check_logprobs(params, self.vocab_size)
         tenant = intake.check_tenant(tenant)
         if isinstance(params.speculative, str):   # last: only a request that passed every check loads one
             self.add_drafter(params.speculative)   # a draft model named per request loads once

@@ -72,6 +72,15 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
             raise ValueError(f"{name}: token ids {bad} are not in the vocabulary (ids 0 .. {vocab_size - 1})")
 
 
+def check_logprobs(params: SamplingParams, vocab_size: int) -> None:
+    """logprobs / prompt_logprobs ask for no more alternatives than the vocabulary has."""
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > vocab_size:
+            raise ValueError(f"{name}={k} asks for more alternatives than the vocabulary's {vocab_size} "
+                             f"tokens: use {name}={vocab_size} or less")
+
+
 def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:
     """`params` with each bad word given as text replaced by its token ids, with and without a
     leading space (as vLLM tokenises them: a word mid-sentence usually carries the space)."""

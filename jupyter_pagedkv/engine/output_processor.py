@@ -11,6 +11,8 @@ import logging
 
 from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence
+from ..worker.logprobs import TokenLogprobs
+from .logprobs import as_position
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
 from .request import Request
 
@@ -33,14 +35,22 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_token(self, token: int) -> str | None:
+        """One token alone as text, special tokens kept (what a logprob entry shows)."""
+        return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
+
     def text_of(self, seq: Sequence) -> str:
         """A sequence's output text, special tokens kept or skipped as its request asks."""
         return self.decode(seq.output_token_ids, getattr(seq.params, "skip_special_tokens", True))
 
     # -- tokens ---------------------------------------------------------------------------------
-    def append_token(self, req: Request, seq: Sequence, token: int, now: float) -> None:
-        """Append one sampled token and finish the sequence if a stop rule says so."""
+    def append_token(self, req: Request, seq: Sequence, token: int, now: float,
+                     logprobs: TokenLogprobs | None = None) -> None:
+        """Append one sampled token (with its logprobs, when asked) and finish the sequence if a
+        stop rule says so."""
         seq.token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.setdefault(seq.sample_index, []).append(as_position(logprobs, self.decode_token))
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.num_generated_tokens += 1
@@ -64,11 +74,12 @@ class OutputProcessor:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
-    def append_accepted(self, req: Request, seq: Sequence, accepted: list[int], now: float) -> int:
+    def append_accepted(self, req: Request, seq: Sequence, accepted: list[int], now: float,
+                        logprobs: list[TokenLogprobs] | None = None) -> int:
         """Append verified draft tokens plus the target's own one; returns how many were
         appended before a stop rule ended the sequence (all of them if none did)."""
         for i, token in enumerate(accepted):
-            self.append_token(req, seq, token, now)
+            self.append_token(req, seq, token, now, logprobs[i] if logprobs else None)
             if seq.is_finished:
                 return i + 1
         return len(accepted)
@@ -97,16 +108,20 @@ class OutputProcessor:
 
     def output(self, req: Request) -> RequestOutput:
         completions = []
+        wants = getattr(req.params, "logprobs", None) is not None
         for i, seq in enumerate(req.seqs):
             text = seq.text if seq.is_finished else self.text_of(seq)
-            completions.append(CompletionOutput(i, text, list(seq.output_token_ids),
-                                                seq.finish_reason, seq.stop_reason))
+            lps = list(req.logprobs.get(seq.sample_index, ())) if wants else None
+            completions.append(CompletionOutput(
+                i, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs=lps,
+                cumulative_logprob=sum(p[t].logprob for p, t in zip(lps, seq.output_token_ids)) if wants else None))
         if req.beam is not None and req.finished:
             completions = [CompletionOutput(i, b.text, list(b.token_ids), b.finish_reason, score=b.score)
                            for i, b in enumerate(req.beam.sequences)]
         cached = req.seqs[0].num_cached_tokens or 0
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.finished, cached, req.metrics, req.tenant)
+                             req.finished, cached, req.metrics, req.tenant,
+                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
     def publish(self, req: Request) -> None:
         """Send each listener the text and tokens added since the last update."""

@@ -37,6 +37,19 @@ class RequestMetrics:
         return (self.finish_time - self.first_token_time) / (self.num_generated_tokens - 1)
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """A token's log-probability under the model's raw distribution at one position (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None            # 1 = the most likely token
+    decoded_token: str | None = None   # the token alone as text (None without a tokenizer)
+
+
+# Per position, token id -> Logprob: the chosen token first, then the top-k alternatives by rank.
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     """One generated continuation (one of `n` samples)."""
@@ -47,6 +60,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     score: float | None = None   # beam search: the length-penalised score
+    logprobs: list[PositionLogprobs] | None = None   # per generated token, when params.logprobs is set
+    cumulative_logprob: float | None = None           # the chosen tokens' logprobs summed (same condition)
 
 
 @dataclass
@@ -59,6 +74,8 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     tenant: str | None = None
+    # Per prompt token when params.prompt_logprobs is set; the first is None (nothing predicts it).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ..core.sampling_params import SamplingParams
 from ..core.sequence import Sequence
 from ..decoding.beam_search import BeamSearch
-from .outputs import RequestMetrics
+from .outputs import PositionLogprobs, RequestMetrics
 
 
 @dataclass(eq=False)
@@ -29,6 +29,14 @@ class Request:
     beam: BeamSearch | None = None      # set for beam search requests
     tenant: str | None = None           # who sent it: prefix isolation and per-tenant figures
     tokens_counted: int = 0             # generated tokens already in the tenant's throughput
+    # params.logprobs: per sample index, one entry per generated token (engine/logprobs.py)
+    logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
+    # params.prompt_logprobs: one entry per prompt token computed so far ([None] before any)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    def __post_init__(self) -> None:
+        if getattr(self.params, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def finished(self) -> bool:

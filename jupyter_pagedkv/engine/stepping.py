@@ -21,6 +21,7 @@ from ..core.scheduler import SchedulerOutput
 from ..core.sequence import Sequence
 from ..worker.step_timing import StepTiming
 from .forks import advance_beams, fork_samples
+from .logprobs import StepLogprobs, add_prompt_logprobs, mark_prompt_rows
 from .outputs import RequestOutput
 from .request import Request
 
@@ -53,6 +54,7 @@ class Stepping:
         record = sched.record() if self.trace is not None else None
         self.runner.clock.enabled = self.step_timings is not None
         drafts = self.speculator.propose(sched)
+        mark_prompt_rows(sched.chunks, self._requests)
         try:
             sampling, logits = self.runner.execute(sched.chunks, sched.copies, sched.swap_out, sched.swap_in)
         except BaseException:
@@ -132,7 +134,9 @@ class Stepping:
 
     def _sample(self, sampling, logits: torch.Tensor, verified, now: float) -> int:
         """Pick the step's tokens: plain rows through the sampler (a request with n > 1 forks its
-        samples at the first), verified drafts, then beams together; returns tokens appended."""
+        samples at the first), verified drafts, then beams together; returns tokens appended.
+        The logprobs that rows ask for (generated, accepted drafts, prompt) come in one pass after
+        the picks, from the raw logits (engine/logprobs.py)."""
         rows, seqs, beam_rows = [], [], []
         for i, c in enumerate(sampling):
             req = self._requests.get(c.seq.request_id)
@@ -144,28 +148,58 @@ class Stepping:
             for seq in fork_samples(req, c.seq, self.scheduler):
                 rows.append(i)
                 seqs.append(seq)
+        picked = logits[rows] if len(rows) != logits.shape[0] else logits
         try:
-            tokens = self.sampler(logits[rows] if len(rows) != logits.shape[0] else logits, seqs) if seqs else []
+            tokens = self.sampler(picked, seqs) if seqs else []
         except Exception as err:                               # those rows' requests fail, no others
             self._fail(list({s.request_id: self._requests[s.request_id] for s in seqs}.values()), err)
             seqs, tokens = [], []
+        lps = self._logprobs(picked, seqs, tokens, verified)
         for seq, token in zip(seqs, tokens):
             req = self._requests.get(seq.request_id)
             if req is not None:
-                self._guard(req, self.outputs.append_token, req, seq, token, now)
+                self._guard(req, self.outputs.append_token, req, seq, token, now, lps.get(seq.seq_id, [None])[0])
         num = len(tokens)
-        for seq, accepted in verified:
+        for seq, accepted, _ in verified:
             req = self._requests.get(seq.request_id)
             if req is not None:
-                num += self._keep_verified(req, seq, accepted, now)
+                num += self._keep_verified(req, seq, accepted, now, lps.get(seq.seq_id))
         return num + (advance_beams(beam_rows, logits, self._requests, self.scheduler, now) if beam_rows else 0)
 
-    def _keep_verified(self, req: Request, seq: Sequence, accepted: list[int], now: float) -> int:
+    def _logprobs(self, picked: torch.Tensor, seqs: list[Sequence], tokens: list[int], verified) -> dict:
+        """One pass over the rows that ask; the prompt rows' answers go straight to their requests,
+        the generated ones come back by seq_id (appended with their tokens). Nothing when nobody asks."""
+        batch, groups = StepLogprobs(), []
+        for j, (seq, token) in enumerate(zip(seqs, tokens)):
+            if seq.params.logprobs is not None:
+                groups.append((seq, batch.add(picked[j:j + 1], [token], seq.params.logprobs)))
+        for seq, accepted, raw in verified:
+            if getattr(seq.params, "logprobs", None) is not None:
+                groups.append((seq, batch.add(raw, accepted, seq.params.logprobs)))
+        prompt = []
+        for c, rows in self.runner.last_prompt_logits:         # row at position p predicts token p + 1
+            req, (first, count) = self._requests.get(c.seq.request_id), c.prompt_logits
+            if req is not None:
+                tokens = c.seq.token_ids[first + 1:first + 1 + count]
+                prompt.append((c, req, batch.add(rows, tokens, req.params.prompt_logprobs)))
+        if not groups and not prompt:
+            return {}
+        try:
+            found = batch.compute()
+        except Exception as err:                               # the asking requests fail, no others
+            reqs = [self._requests.get(s.request_id) for s, _ in groups] + [r for _, r, _ in prompt]
+            self._fail(list({r.request_id: r for r in reqs if r is not None}.values()), err)
+            return {}
+        for c, req, g in prompt:
+            self._guard(req, add_prompt_logprobs, req, c, found[g], self.outputs.decode_token)
+        return {seq.seq_id: found[g] for seq, g in groups}
+
+    def _keep_verified(self, req: Request, seq: Sequence, accepted: list[int], now: float, logprobs=None) -> int:
         """The kept drafts' KV stays; rejected slots roll back, emptied blocks return at once."""
         num_computed = seq.num_tokens + len(accepted) - 1
         self.speculator.roll_back(seq, num_computed)
         try:
-            kept = self.outputs.append_accepted(req, seq, accepted, now)
+            kept = self.outputs.append_accepted(req, seq, accepted, now, logprobs)
         except Exception as err:
             self._fail([req], err)
             return 0

@@ -43,6 +43,8 @@ class ModelRunner:
         self.staging = InputStaging(device) if backend == "triton" else None
         self.h2d_copies = 0            # host -> device copies of step inputs (counted on the Triton path)
         self.last_h2d_copies: int | None = None
+        # The last step's prompt_logprobs rows: (chunk, logits [count, vocab]) per chunk that asked.
+        self.last_prompt_logits: list[tuple[ScheduledChunk, torch.Tensor]] = []
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         # CPU GEMMs on weights packed once (see packed_linear.py); with `hold_weights` the packed
         # copies replace the plain weights (held_weights.py).
@@ -230,6 +232,7 @@ class ModelRunner:
         logits = logits.float()
         self.clock.stop()
         self.last_forward_s = time.perf_counter() - t0
+        logits, self.last_prompt_logits = split_prompt_rows(ordered, logits)
         return [c for c in ordered if c.samples], logits
 
 
@@ -274,9 +277,37 @@ class StepLayout:
             step.tables.append(blocks)
             step.prefill_spans.append((c.start, end))
         q = step.q_loc
-        step.sample_rows = [r for i, c in enumerate(step.ordered) if c.samples
-                            for r in range(q[i + 1] - c.num_logits, q[i + 1])]
+        step.sample_rows = [r for i, c in enumerate(step.ordered) for r in _kept_rows(c, q[i], q[i + 1])]
         return step
+
+
+def _kept_rows(c: ScheduledChunk, lo: int, hi: int) -> range | list[int]:
+    """Rows of the flat token row whose logits a chunk needs: its prompt_logprobs positions, then
+    its sampling rows (ascending, the order split_prompt_rows reads them back in)."""
+    rows = range(hi - c.num_logits, hi) if c.samples else range(0)
+    if c.prompt_logits is None:
+        return rows
+    first, count = c.prompt_logits
+    return list(range(lo + first - c.start, lo + first - c.start + count)) + list(rows)
+
+
+def split_prompt_rows(ordered: list[ScheduledChunk], logits: torch.Tensor
+                      ) -> tuple[torch.Tensor, list[tuple[ScheduledChunk, torch.Tensor]]]:
+    """The sampling rows' logits, and each prompt_logprobs chunk's own rows (nothing to do, and
+    the same tensor back, when no chunk asked)."""
+    if all(c.prompt_logits is None for c in ordered):
+        return logits, []
+    keep, prompt, row = [], [], 0
+    for c in ordered:
+        if c.prompt_logits is not None:
+            count = c.prompt_logits[1]
+            prompt.append((c, logits[row:row + count]))
+            row += count
+        if c.samples:
+            keep.extend(range(row, row + c.num_logits))
+            row += c.num_logits
+    assert row == logits.shape[0], (row, logits.shape)
+    return logits[keep], prompt
 
 
 def _first_if_consecutive(block_ids: list[int]) -> int | None:
