@@ -21,6 +21,7 @@ from .options import (SESSION_NAME, generate_params, interpolate, load_arguments
                       sampling_arguments, sampling_params, split_prompts)
 from .tenants import set_tenant_line, tenants_table
 from .text_views import block_map, requests_table
+from .logprob_view import LogprobsView
 from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
                         Renderer, WidgetRenderer)
 
@@ -272,6 +273,7 @@ class PagedKVMagics(Magics):
             self._start_background(run, prompts, params, args.out, args.no_stream, args.format)
             return
         outputs = self._run_cell(run, prompts, params, "generate", args.no_stream, args.format)
+        self._show_logprobs(args, outputs)
         if args.out:
             self.shell.user_ns[args.out] = outputs[0] if len(outputs) == 1 else outputs
 
@@ -318,6 +320,7 @@ class PagedKVMagics(Magics):
         prompt = chat.prompt_ids(engine, message)
         run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"], chat.tenant)
         outputs = self._run_cell(run, [prompt], params, f"chat {name}", args.no_stream, args.format)
+        self._show_logprobs(args, outputs)
         chat.record(message, outputs[0])
         if args.out:
             self.shell.user_ns[args.out] = outputs[0]
@@ -363,6 +366,13 @@ class PagedKVMagics(Magics):
             raise
         self._raise_engine_error(run)
         return outputs
+
+    @staticmethod
+    def _show_logprobs(args, outputs) -> None:
+        """--logprobs / --prompt-logprobs: the answers shaded by probability, below the text."""
+        if args.logprobs is not None or args.prompt_logprobs is not None:
+            from IPython.display import display
+            display(LogprobsView(outputs))
 
     def _raise_engine_error(self, run: CellRun) -> None:
         """An abort we did not ask for is an engine failure: show it, it is not the user's mistake."""

@@ -127,6 +127,11 @@ def sampling_arguments(f: Callable) -> Callable:
         argument("--keep-special-tokens", action="store_true",
                  help="show special tokens (such as EOS) in the answer's text"),
         argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling"),
+        argument("--logprobs", type=int, default=None, metavar="K",
+                 help="show each answer token shaded by its probability, its K best alternatives on "
+                      "hover (the raw model distribution; --out keeps them)"),
+        argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                 help="the same for the prompt's tokens"),
         argument("--stop", action="append", default=None, metavar="S",
                  help="stop when the text contains S (repeatable; \\n and \\t are understood)"),
         argument("--system", default=None, metavar="TEXT", help="system message for the chat template"),
@@ -169,7 +174,8 @@ def sampling_params(args):
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               min_tokens=args.min_tokens, bad_words=args.bad_word,
                               include_stop_str_in_output=args.include_stop_str,
-                              skip_special_tokens=not args.keep_special_tokens)
+                              skip_special_tokens=not args.keep_special_tokens,
+                              logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     except ValueError as err:
         raise _flagged(err) from None
 
@@ -192,6 +198,8 @@ def beam_params(args):
                                      ("--seed", args.seed is not None), ("--stop", bool(args.stop)),
                                      *((f"--{name.replace('_', '-')}", getattr(args, name) != off)
                                        for name, off in PROCESSOR_DEFAULTS.items()),
+                                     ("--logprobs", args.logprobs is not None),
+                                     ("--prompt-logprobs", args.prompt_logprobs is not None),
                                      ("--speculative", args.speculative is not None))
              if used]
     if clash:

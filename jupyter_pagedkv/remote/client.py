@@ -33,8 +33,9 @@ from . import api_key as api_key_source, wire
 from .cache_salt import check_salt_support, salt_refused
 from .errors import RemoteError
 from .inspection import RemoteInspection
-from ..engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from ..engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, StreamDelta
 from ..core.sampling_params import SamplingParams
+from .logprob_fields import logprob_fields
 from .request_fields import openai_fields, vllm_fields
 
 
@@ -67,6 +68,8 @@ class RemoteRequest:
     sock: socket.socket | None = None    # kept: http.client drops conn.sock once a response owns it
     thread: threading.Thread | None = None
     tenant: str | None = None            # sent as the body's cache_salt
+    logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)   # by choice index
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -259,7 +262,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         if params.stop:
             body["stop"] = list(params.stop)
         body.update(openai_fields(params))
-        extensions = vllm_fields(params)
+        extensions = vllm_fields(params) | logprob_fields(params, isinstance(prompt, ChatPrompt))
         if self.version is not None:
             body["return_token_ids"] = True
             body.update(extensions)
@@ -328,6 +331,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         for c in chunk.choices:
             req.texts[c.index] = req.texts.get(c.index, "") + c.text
             req.tokens.setdefault(c.index, []).extend(c.token_ids)
+            req.logprobs.setdefault(c.index, []).extend(c.logprobs)
             if c.finish_reason:
                 req.finish[c.index] = c.finish_reason
             if c.index == 0:
@@ -337,6 +341,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             req.metrics.num_generated_tokens = chunk.completion_tokens
         if chunk.cached_tokens is not None:
             req.num_cached_tokens = chunk.cached_tokens
+        req.prompt_logprobs = chunk.prompt_logprobs or req.prompt_logprobs
         if (new_text or new_tokens) and req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.num_output_tokens = len(req.tokens.get(0, [])) or req.num_output_tokens
@@ -370,10 +375,14 @@ class RemoteEngine(RemoteInspection, GenerationFront):
 
     def _output(self, req: RemoteRequest) -> RequestOutput:
         n = max([req.params.n] + [i + 1 for i in req.texts])
-        outs = [CompletionOutput(i, req.texts.get(i, ""), req.tokens.get(i, []), req.finish.get(i))
+        wants = req.params.logprobs is not None
+        outs = [CompletionOutput(i, req.texts.get(i, ""), req.tokens.get(i, []), req.finish.get(i),
+                                 logprobs=req.logprobs.get(i, []) if wants else None,
+                                 cumulative_logprob=sum(p[t].logprob for p, t in zip(
+                                     req.logprobs.get(i, []), req.tokens.get(i, [])) if t in p) if wants else None)
                 for i in range(n)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.num_cached_tokens or 0, req.metrics, req.tenant)
+                             req.num_cached_tokens or 0, req.metrics, req.tenant, req.prompt_logprobs)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request: shut its connection (vLLM aborts on disconnect); False if not live."""

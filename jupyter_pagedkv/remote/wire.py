@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from ..engine.outputs import PositionLogprobs
+from .logprob_fields import parse_choice_logprobs, parse_prompt_logprobs
 from .errors import RemoteError
 
 MAX_BODY = 4 << 20        # /v1/models, /version, an error body
@@ -100,6 +102,7 @@ class Choice:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[PositionLogprobs] = field(default_factory=list)   # per token of this chunk, when asked
 
 
 @dataclass
@@ -111,6 +114,7 @@ class Chunk:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     error: str | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None   # vLLM's, when asked
 
 
 def _bad(url: str, what: str) -> RemoteError:
@@ -167,8 +171,11 @@ def parse_chunk(data: str, n: int, chat: bool, url: str) -> Chunk:
         finish = c.get("finish_reason")
         if finish is not None and not isinstance(finish, str):
             raise _bad(url, "a finish_reason that is not a string")
+        bad = lambda what: _bad(url, what)   # noqa: E731
         chunk.choices.append(Choice(index, text or "", _ids(c.get("token_ids"), url, "token_ids") or [],
-                                    finish[:40] if finish else None))
+                                    finish[:40] if finish else None,
+                                    parse_choice_logprobs(c.get("logprobs"), chat, bad)))
+        chunk.prompt_logprobs = chunk.prompt_logprobs or parse_prompt_logprobs(c.get("prompt_logprobs"), bad)
         chunk.prompt_token_ids = chunk.prompt_token_ids or _ids(c.get("prompt_token_ids"), url, "prompt_token_ids")
     usage = obj.get("usage")
     if usage is not None:

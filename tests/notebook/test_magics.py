@@ -241,6 +241,16 @@ def test_penalties_and_bad_words_reach_the_request(ip):
     assert current().engine._requests == {} and out.outputs[0].token_ids
 
 
+def test_logprobs_are_shown_shaded_and_kept_with_out(ip, capsys):
+    run(ip, "%%generate --max-tokens 6 --raw --logprobs 2 --prompt-logprobs 1 --out lp\nThe capital of France is")
+    out = ip.user_ns["lp"]
+    sample = out.outputs[0]
+    assert len(sample.logprobs) == len(sample.token_ids) and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert all(next(iter(p)) == t and p[t].rank == 1 for p, t in zip(sample.logprobs, sample.token_ids))
+    shown = capsys.readouterr().out                    # a terminal IPython shows the text form
+    assert "answer\n  least sure: token  p  alternatives" in shown and "prompt\n" in shown
+
+
 @pytest.mark.parametrize("option, message", [
     ("--n 0", "--n must be a positive integer"),
     ("--n 100000", "n=100000 needs 100000 sequences .* max_num_seqs=64"),
@@ -255,6 +265,8 @@ def test_penalties_and_bad_words_reach_the_request(ip):
     ("--presence-penalty 3", r"--presence-penalty must be in \[-2, 2\]"),
     ("--min-tokens 9 --max-tokens 4", r"--min-tokens \(9\) must not exceed --max-tokens \(4\)"),
     ("--beams 2 --repetition-penalty 1.2", "--beams is deterministic .* --repetition-penalty: drop it"),
+    ("--logprobs 21", r"--logprobs must be None or an integer in \[0, 20\]"),
+    ("--beams 2 --prompt-logprobs 1", "--beams is deterministic .* --prompt-logprobs: drop it"),
     ("--out 2x", "not a valid variable name"),
     ("--max-tokens many", "invalid int value"),
     ("--system 'unclosed", "cannot read the options: No closing quotation"),

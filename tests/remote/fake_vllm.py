@@ -103,11 +103,23 @@ class FakeServer(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
             self.wfile.flush()
 
-        send({"choices": [{"index": 0, "text": "Hello", "token_ids": [1]}], "prompt_token_ids": [5, 6, 7]})
+        def logprobs(token: int) -> dict:
+            """vLLM's completions shape with return_tokens_as_token_ids; the chosen token ranks 2nd."""
+            if req.get("logprobs") is None:
+                return {}
+            top = {f"token_id:{token}": -1.0, "token_id:9": -0.5}
+            return {"logprobs": {"tokens": [f"token_id:{token}"], "token_logprobs": [-1.0],
+                                 "top_logprobs": [dict(list(top.items())[:req["logprobs"]])], "text_offset": [0]}}
+
+        first = {"index": 0, "text": "Hello", "token_ids": [1], **logprobs(1)}
+        if req.get("prompt_logprobs") is not None:
+            first["prompt_logprobs"] = [None, {"6": {"logprob": -2.0, "rank": 4, "decoded_token": " b"}},
+                                        {"7": {"logprob": -0.25, "rank": 1, "decoded_token": " c"}}]
+        send({"choices": [first], "prompt_token_ids": [5, 6, 7]})
         if prompt == "hang":
             time.sleep(3)
             return
-        send({"choices": [{"index": 0, "text": " world", "token_ids": [2]}]})
+        send({"choices": [{"index": 0, "text": " world", "token_ids": [2], **logprobs(2)}]})
         if prompt == "drop":
             return   # connection closes without a finish reason or [DONE]
         if prompt == "garbled":
