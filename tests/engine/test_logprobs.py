@@ -72,8 +72,10 @@ def test_logprobs_are_the_raw_distribution_not_the_processed_one(make_engine):
     assert_generated(out, 3)
 
 
-def test_prompt_logprobs_over_chunked_prefill_equal_transformers(make_engine):
-    engine = make_engine(MODEL, block_size=4, max_num_batched_tokens=8)    # the prompt in 4 chunks
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])   # triton: its staged logits_to_keep
+def test_prompt_logprobs_over_chunked_prefill_equal_transformers(make_engine, attention_backend):
+    engine = make_engine(MODEL, block_size=4, max_num_batched_tokens=8,     # the prompt in 4 chunks
+                         attention_backend=attention_backend)
     out = engine.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
                                                    prompt_logprobs=4, logprobs=0))[0]
     assert_prompt(out, 4)
