@@ -4,8 +4,9 @@ sampler and output processor it drives.
 
 Failures end only the requests they touch: a forward that raises ends the step's requests (their
 KV is incomplete) and re-raises; so does scheduling that fails part-way (an allocation: the plan's
-swaps and copy-on-write copies never run), for what it had planned and the sequence it was placing; a sampler, drafter, detokeniser or listener that raises ends the
-requests concerned while the step goes on for the others; the background loop dying ends every
+swaps and copy-on-write copies never run), for what it had planned and the sequence it was
+placing; a sampler, drafter, detokeniser or listener that raises ends the requests concerned
+while the step goes on for the others; the background loop dying ends every
 live request (nobody would step them). Each ends with finish reason "error" ("abort" for
 Ctrl-C), the exception attached and logged once with its id, and returns every block.
 """
