@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random models of several architectures, the embedded model, HF references."""
 from __future__ import annotations
 
+import functools
 import os
+import weakref
+from dataclasses import dataclass, field
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests never reach the model hub (our machines cannot): it is offline for them and for the kernels
@@ -60,20 +63,105 @@ def pytest_make_collect_report(collector):
     _fail_skip_in_ci(outcome.get_result())
 
 
+# The near-tie allowance (fp32): the first difference from the oracle is excused only where the
+# oracle's top-2 logits differ by less than NEAR_TIE_EPSILON, and a test may be excused at most one
+# near-tie per NEAR_TIES_PER_OUTPUTS outputs it compared (at least one): more is a bug, whatever
+# each gap. bf16 tests state their own, relative, epsilon and bound (tests/engine/test_dtypes.py).
+NEAR_TIE_EPSILON = 1e-4
+NEAR_TIES_PER_OUTPUTS = 8
+
+
+@dataclass
+class NearTieLedger:
+    """What one test compared with an oracle: outputs compared, and the near-ties excused."""
+
+    compared: int = 0
+    excused: list[str] = field(default_factory=list)
+
+    @property
+    def bound(self) -> int:
+        return max(1, self.compared // NEAR_TIES_PER_OUTPUTS)
+
+    def check(self) -> None:
+        assert len(self.excused) <= self.bound, (
+            f"{len(self.excused)} near-ties in {self.compared} outputs compared with the oracle, over the "
+            f"bound of {self.bound} (one per {NEAR_TIES_PER_OUTPUTS}): {'; '.join(self.excused)}")
+
+
+NEAR_TIES = NearTieLedger()   # the running test's; reset and checked around every test
+
+
 def assert_same_or_near_tie(model, prompt: list[int], ours: list[int], ref: list[int]) -> bool:
-    """Token-identical, or the first difference is a true near-tie (top-2 logit gap < 1e-4).
+    """Token-identical, or the first difference is a true near-tie (oracle's top-2 gap below
+    NEAR_TIE_EPSILON), counted against the test's bound (NearTieLedger).
 
     Returns True when identical. fp32 reduction order may legitimately flip a near-tie; anything
     else is a bug.
     """
+    NEAR_TIES.compared += 1
     found = compare_with_oracle(model, prompt, ours, ref)
     if found.identical:
         return True
     assert found.gap is not None, (
         f"lengths differ without a token difference: ours {len(ours)}, reference {len(ref)}")
     i = found.index
-    assert found.gap < 1e-4, f"token {i} differs ({ours[i]} vs {ref[i]}) but the top-2 gap is {found.gap:.3g}"
+    assert found.gap < NEAR_TIE_EPSILON, (
+        f"token {i} differs ({ours[i]} vs {ref[i]}) but the top-2 gap is {found.gap:.3g}")
+    NEAR_TIES.excused.append(f"token {i} ({ours[i]} vs {ref[i]}, gap {found.gap:.2g})")
     return False
+
+
+@pytest.fixture(autouse=True)
+def near_tie_bound(request):
+    """Every test's near-ties are counted (in its report's user properties) and bounded."""
+    NEAR_TIES.compared, NEAR_TIES.excused = 0, []
+    yield NEAR_TIES
+    if NEAR_TIES.compared:
+        request.node.user_properties.append(("near_ties", f"{len(NEAR_TIES.excused)}/{NEAR_TIES.compared}"))
+    NEAR_TIES.check()
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """An engine a test built: weakly (a property test builds hundreds), plus the small parts the
+    invariants read (scheduler, swap space, lock), so one already collected is checked too."""
+
+    engine: weakref.ref
+    scheduler: object
+    swap: object
+    lock: object
+
+    def check_invariants(self) -> None:
+        from jupyter_pagedkv.core.invariants import check_invariants
+
+        engine = self.engine()
+        if engine is not None:
+            engine.check_invariants()
+            return
+        with self.lock:
+            check_invariants(self.scheduler, self.swap)
+
+
+@pytest.fixture(autouse=True)
+def engines_keep_their_invariants():
+    """Every engine a test builds, however it builds it (directly, `make_engine`, a magic, a
+    benchmark), has its invariants checked when the test ends (under the engine's lock, so a
+    background loop may still be running)."""
+    from jupyter_pagedkv.engine.engine import Engine
+
+    built: list[BuiltEngine] = []
+    init = Engine.__init__
+
+    @functools.wraps(init)
+    def tracked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(BuiltEngine(weakref.ref(self), self.scheduler, self.swap, self._lock))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "__init__", tracked_init)
+        yield built
+    for engine in built:
+        engine.check_invariants()
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +175,7 @@ def embedded():
 
 @pytest.fixture
 def make_engine():
-    """Build engines and check the invariants of every one of them when the test ends."""
+    """Build engines (64 MiB of KV unless told) and stop their background loops when the test ends."""
     from jupyter_pagedkv import Engine
 
     engines = []
@@ -99,6 +187,5 @@ def make_engine():
         return engine
 
     yield make
-    for engine in engines:
+    for engine in engines:   # their invariants: engines_keep_their_invariants
         engine.stop()
-        engine.check_invariants()

@@ -130,6 +130,18 @@ class BlockPool:
         """Take the head of the free queue, evicting its cached prefix if it holds one."""
         return self._claim(self.free_queue.popleft(), owner)
 
+    def allocate_many(self, n: int, owner: object = None) -> list[Block]:
+        """`n` blocks, all or none: if an allocation fails part-way (a bug, Ctrl-C), the blocks
+        taken so far go back before the error propagates, so no caller holds half a growth."""
+        taken: list[Block] = []
+        try:
+            for _ in range(n):
+                taken.append(self.allocate(owner))
+        except BaseException:
+            self.free_all(reversed(taken), owner)
+            raise
+        return taken
+
     def take(self, block_id: int, owner: object = None) -> Block:
         """Allocate one particular free block (the contiguous baseline places runs itself)."""
         block = self.blocks[block_id]

@@ -40,7 +40,8 @@ class BlockTable:
         """Own slots up to `num_slots`; a shared, partly filled last block is copied first.
 
         Appends (src, dst) block copies the KV cache must perform before the next write.
-        Raises NoFreeBlocksError without changing anything if the pool runs dry.
+        Raises NoFreeBlocksError without changing anything if the pool runs dry, and changes
+        nothing either when an allocation fails part-way (BlockPool.allocate_many).
         """
         if num_slots <= self.num_slots:
             return
@@ -50,14 +51,12 @@ class BlockTable:
             return
         if self.blocks_needed(num_slots) > self.pool.num_free:
             raise NoFreeBlocksError("no free KV blocks")
+        fresh = self.pool.allocate_many(self.blocks_needed(num_slots), self.owner)
         if self._last_block_is_shared():
-            old = self.blocks[-1]
-            new = self.pool.allocate(self.owner)
-            copies.append((old.block_id, new.block_id))
+            old, self.blocks[-1] = self.blocks[-1], fresh.pop(0)
+            copies.append((old.block_id, self.blocks[-1].block_id))
             self.pool.free(old, self.owner)
-            self.blocks[-1] = new
-        while len(self.blocks) * bs < num_slots:
-            self.blocks.append(self.pool.allocate(self.owner))
+        self.blocks.extend(fresh)
         self.num_slots = num_slots
 
     def adopt(self, cached: list[Block]) -> None:

@@ -66,6 +66,9 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, device block)
     preempted: list[Sequence] = field(default_factory=list)
     resumed: list[Sequence] = field(default_factory=list)          # swapped back in this step
+    # The sequence being given slots last: if scheduling fails part-way (Scheduler.plan), it and
+    # the plan so far are what the failure touched.
+    attempting: Sequence | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +112,9 @@ class Scheduler:
         # Full blocks this step's chunks will compute: hash -> (block, (parent hash, token ids,
         # extra key)), the same identity BlockPool.lookup checks; hits for later admissions.
         self._pending: dict[int, tuple[Block, tuple]] = {}
+        # The step being planned (the last one once `schedule` returns): a failure part-way leaves
+        # its swaps and copy-on-write copies undone, so whoever handles it ends what it names.
+        self.plan = SchedulerOutput()
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -157,7 +163,13 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """The next step's chunks, preemptions, swaps and copies (see the module docstring)."""
+        out = self._schedule()
+        out.attempting = None   # planned whole: nothing was left half-done
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
+        out = self.plan = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self._pending.clear()
         blocked = self._make_room(out) if self.tenancy.fair and self.waiting else set()
@@ -165,7 +177,7 @@ class Scheduler:
 
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+            seq = out.attempting = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:   # a beam holding its logits until its siblings have theirs
                 i += 1
@@ -189,6 +201,7 @@ class Scheduler:
             seq = self.tenancy.next_candidate(self.swapped, self.waiting, blocked)
             if seq is None:
                 break
+            out.attempting = seq
             try:
                 if seq.status is SequenceStatus.SWAPPED:
                     if out.swap_out:
@@ -315,7 +328,7 @@ class Scheduler:
         if needed > pool.num_free - watermark:
             return None
         table = seq.block_table
-        table.blocks = [pool.allocate(table.owner) for _ in seq.swap_slots]
+        table.blocks = pool.allocate_many(len(seq.swap_slots), table.owner)
         table.num_slots = seq.swapped_num_slots
         out.swap_in.extend(zip(seq.swap_slots, table.block_ids))
         out.resumed.append(seq)

@@ -3,8 +3,10 @@ happens when part of it fails. Mixed into `Engine`, whose lock, scheduler, runne
 sampler and output processor it drives.
 
 Failures end only the requests they touch: a forward that raises ends the step's requests (their
-KV is incomplete) and re-raises; a sampler, drafter, detokeniser or listener that raises ends the
-requests concerned while the step goes on for the others; the background loop dying ends every
+KV is incomplete) and re-raises; so does scheduling that fails part-way (an allocation: the plan's
+swaps and copy-on-write copies never run), for what it had planned and the sequence it was
+placing; a sampler, drafter, detokeniser or listener that raises ends the requests concerned
+while the step goes on for the others; the background loop dying ends every
 live request (nobody would step them). Each ends with finish reason "error" ("abort" for
 Ctrl-C), the exception attached and logged once with its id, and returns every block.
 """
@@ -39,7 +41,11 @@ class Stepping:
         step goes on for the others."""
         with self._lock:
             t0 = time.perf_counter()
-            sched = self.scheduler.schedule()
+            try:
+                sched = self.scheduler.schedule()
+            except BaseException as err:   # its swaps and copies will not run: what it planned ends
+                self._fail(self._touched_by(self.scheduler.plan), err)
+                raise
             if sched.is_empty:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler could not run any request: the pool is too small")
@@ -98,9 +104,10 @@ class Stepping:
         return outputs
 
     def _touched_by(self, sched: SchedulerOutput) -> list[Request]:
-        """The live requests a step touched: its chunks, and sequences it swapped out or in (an
-        interrupted copy leaves their KV incomplete)."""
+        """The live requests a step touched: its chunks, sequences it swapped out or in (an
+        interrupted copy leaves their KV incomplete), and the one it was scheduling if that failed."""
         seqs = [c.seq for c in sched.chunks] + list(sched.preempted) + list(sched.resumed)
+        seqs += [sched.attempting] if sched.attempting is not None else []
         ids = dict.fromkeys(s.request_id for s in seqs)
         return [self._requests[rid] for rid in ids if rid in self._requests]
 

@@ -50,6 +50,8 @@ class RemoteInspection:
             event_blocks = snap.num_blocks
             if self.events.error:
                 notes.append(self.events.error)
+            elif self.events.last_drop:
+                notes.append(f"{self.events.last_drop} ({self.events.num_reconnects} so far)")
         else:
             notes.append("KV events: off (connect with --kv-events tcp://HOST:PORT for the block map)")
         if not m.has(KV_USAGE):

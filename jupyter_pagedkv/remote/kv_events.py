@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 # A server's prefix cache holds at most its pool; a map past this many hashes (far more than any
 # real pool shown in one widget) drops its oldest hashes instead of growing without bound.
 MAX_MAP_BLOCKS = 1 << 18
-# One ZMQ message (one EventBatch) of more than this is refused by the socket itself.
+# One ZMQ message (one EventBatch) of more than this is refused by the socket itself, before it is
+# read into memory; libzmq then closes that connection for good, so the listener reconnects.
 MAX_MESSAGE_BYTES = 8 << 20
 
 
@@ -207,6 +208,8 @@ class KVEventListener:
         self.topic = topic
         self.map = BlockMap()
         self.error: str | None = None
+        self.num_reconnects = 0            # connections dropped (an oversize message, a restart)
+        self.last_drop: str | None = None  # the one line said about the latest drop
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
@@ -214,6 +217,7 @@ class KVEventListener:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)   # larger: the peer is dropped
         self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, daemon=True, name="pagedkv-kv-events")
         self._thread.start()
@@ -222,9 +226,14 @@ class KVEventListener:
         import zmq
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not dict(poller.poll(100)):
+                ready = dict(poller.poll(100))
+                if self._monitor in ready:
+                    self._monitor.recv_multipart()   # only EVENT_DISCONNECTED is monitored
+                    self._reconnect()
+                if self._sock not in ready:
                     continue
                 parts = self._sock.recv_multipart()
                 # [topic, 8-byte big-endian sequence number, payload]; tolerate a missing topic.
@@ -237,8 +246,25 @@ class KVEventListener:
             self.error = f"KV events from {self.endpoint} stopped: {err}"
             logger.warning("%s", self.error, exc_info=True)
         finally:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(0)
 
+    def _reconnect(self) -> None:
+        """The publisher's connection dropped: a message over MAX_MESSAGE_BYTES (libzmq refuses
+        it and gives the connection up for good) or the server went away. Say so in one line and
+        connect again (a server that is gone is retried by libzmq); batches sent meanwhile are
+        missed (`missed_batches` counts the gap)."""
+        import zmq
+        self.num_reconnects += 1
+        self.last_drop = (f"KV events from {self.endpoint}: the connection dropped (a message over "
+                          f"{MAX_MESSAGE_BYTES >> 20} MiB is refused, or the server restarted); reconnecting")
+        logger.warning("%s", self.last_drop)
+        try:
+            self._sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass   # libzmq already dropped the endpoint (after a refused message it does)
+        self._sock.connect(self.endpoint)
     def snapshot(self) -> BlockMap:
         """A copy, consistent at one moment (the listener keeps updating the original)."""
         with self._lock:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import attention, tiny_model
+from conftest import attention, hf_greedy, tiny_model
 from jupyter_pagedkv import Engine, SamplingParams
 from jupyter_pagedkv.core.block_pool import BlockPool
 from jupyter_pagedkv.core.block_table import BlockTable
@@ -35,8 +35,8 @@ def greedy(**kw) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, **kw)
 
 
-REFERENCE = [o.token_ids for o in Engine(MODEL, None, num_blocks=256, block_size=4)
-             .generate(PROMPTS, greedy())]
+# The oracle: transformers' own greedy generate (never the engine's own output).
+REFERENCE = [hf_greedy(MODEL, p, MAX_TOKENS, stop_at_eos=False) for p in PROMPTS]
 
 
 # -- drafters and rules, alone -----------------------------------------------------------------------
@@ -158,10 +158,12 @@ def test_greedy_speculation_is_token_identical_in_a_mixed_batch(make_engine, spe
     assert all(b.ref_count == 0 for b in engine.pool.blocks)
 
 
-def test_greedy_speculation_survives_swap_preemption(make_engine):
+@pytest.mark.parametrize("spec", ["ngram", "same-draft"])
+def test_greedy_speculation_under_swap_preemption_is_transformers_greedy(make_engine, spec):
     from jupyter_pagedkv.worker.kv_cache import KVSpec
     per_block = KVSpec.from_config(MODEL.config, torch.float32).bytes_per_token * 4
-    engine = make_engine(MODEL, block_size=4, num_blocks=20, speculative=SAME_DRAFT,
+    draft = {"ngram": "ngram", "same-draft": SAME_DRAFT}[spec]
+    engine = make_engine(MODEL, block_size=4, num_blocks=20, speculative=draft, num_speculative_tokens=4,
                          preemption_mode="swap", swap_space=40 * per_block)
     outs = engine.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == REFERENCE

@@ -38,6 +38,21 @@ def test_sixteen_mixed_prompts_match_hf_generate(embedded, make_engine):
     assert sum(identical) >= 15
 
 
+def test_generates_to_its_own_eos_and_stops_there(embedded, make_engine):
+    """No ignore_eos, no stop list, room for 40 tokens: the model ends its answer itself (the
+    oracle's last token is EOS, well before the limit), and so does the engine: finish reason
+    "stop", the EOS id last in token_ids, and not in the text."""
+    model, tokenizer = embedded
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2? Answer with the number only."}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    ref = hf_greedy(model, prompt, 40, stop_at_eos=True)
+    assert ref[-1] == tokenizer.eos_token_id and len(ref) < 40
+    out = make_engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason is None
+    assert out.token_ids == ref
+    assert out.text == tokenizer.decode(ref[:-1]) and tokenizer.eos_token not in out.text
+
+
 def test_shared_200_token_prefix_is_served_from_cache(embedded, make_engine):
     model, tokenizer = embedded
     passage = ("The harbour town woke slowly. Fishing boats rocked against the pier while gulls "

@@ -4,6 +4,7 @@ others and the next request exactly (against transformers' own greedy generate).
 from __future__ import annotations
 
 import queue
+from collections import Counter
 
 import pytest
 import torch
@@ -292,3 +293,90 @@ def test_ctrl_c_during_a_swap_fails_the_swapped_sequence_and_keeps_the_rest_exac
 def finished_with_error(engine, rid: str) -> bool:
     req = next((r for r in engine.finished_requests if r.request_id == rid), None)
     return req is not None and req.error is not None
+
+
+# -- swap-in and allocation failures ----------------------------------------------------------------
+def untouched_at_failure(engine, obj, name: str, when, error: BaseException) -> list[str]:
+    """Make `obj.name` raise `error` once (as fail_on_call) and return the ids of the requests the
+    failing step had not touched (waiting or swapped) at that moment: they must go on exactly."""
+    untouched: list[str] = []
+
+    def when_recorded(i, *args):
+        if when(i, *args):
+            sched = engine.scheduler
+            planned = {id(s) for s in sched.plan.preempted}        # swapped out by the failing step
+            untouched.extend(s.request_id for s in [*sched.waiting, *sched.swapped] if id(s) not in planned)
+            return True
+        return False
+
+    fail_on_call(obj, name, when_recorded, error)
+    return untouched
+
+
+def test_a_failing_swap_in_fails_the_steps_requests_and_the_untouched_finish_exactly(make_engine):
+    # Two seats, four requests: two wait while the running pair outgrow 14 blocks and swap.
+    engine = make_engine(MODEL, block_size=4, num_blocks=14, max_num_seqs=2, preemption_mode="swap",
+                         swap_space="4MiB")
+    untouched = untouched_at_failure(engine, engine.kv_cache, "swap_in", lambda i, pairs: bool(pairs),
+                                     Boom("the host-to-device copy failed"))
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    with pytest.raises(Boom):
+        run_out(engine)
+    resumed = engine.scheduler.plan.resumed
+    assert resumed and untouched, "a swap-in happened while other requests waited"
+    for rid in {s.request_id for s in resumed}:
+        assert_failed(engine, rid, Boom)
+        assert str(finished(engine, rid).error) == "the host-to-device copy failed"
+    engine.check_invariants()
+    run_out(engine)
+    for rid, p in zip(ids, PROMPTS):
+        if rid in untouched:
+            assert_exact(engine, rid, p)
+    assert engine.swap.num_used == 0
+    assert_clean_and_serving(engine)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_an_allocation_failing_mid_step_ends_what_the_step_planned_and_returns_every_block(
+        make_engine, preemption_mode):
+    swap = dict(swap_space="4MiB") if preemption_mode == "swap" else {}
+    engine = make_engine(MODEL, block_size=4, num_blocks=14, max_num_seqs=2, preemption_mode=preemption_mode,
+                         **swap)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(4):
+        engine.step()                                   # both seats decoding, two requests waiting
+    # The next block a growing table asks for fails (the pool's allocate raises).
+    untouched = untouched_at_failure(engine, engine.pool, "allocate", lambda i, *a: True,
+                                     Boom("allocation failed"))
+    free_before = engine.pool.num_free
+    with pytest.raises(Boom):
+        run_out(engine)
+    plan = engine.scheduler.plan
+    failed = [rid for rid in ids if finished_with_error(engine, rid)]
+    assert plan.attempting is not None and plan.attempting.request_id in failed
+    for rid in failed:
+        assert_failed(engine, rid, Boom)
+    assert untouched and not set(untouched) & set(failed)
+    engine.check_invariants()                           # no half-grown table, no stray reference
+    assert engine.pool.num_free >= free_before
+    run_out(engine)
+    for rid, p in zip(ids, PROMPTS):
+        if rid in untouched:
+            assert_exact(engine, rid, p)
+    if engine.swap is not None:
+        assert engine.swap.num_used == 0
+    assert_clean_and_serving(engine)
+
+
+def test_a_growth_that_fails_part_way_takes_no_block():
+    from jupyter_pagedkv.core.block_pool import BlockPool
+    from jupyter_pagedkv.core.block_table import BlockTable
+
+    pool = BlockPool(8, 4)
+    table = BlockTable(pool)
+    table.grow(3, [])
+    fail_on_call(pool, "allocate", lambda i, *a: i == 2, Boom("second block"))
+    with pytest.raises(Boom):
+        table.grow(13, [])                              # needs 3 more blocks; the second fails
+    assert (len(table.blocks), table.num_slots, pool.num_free, pool.num_used) == (1, 3, 7, 1)
+    pool.check_invariants(Counter(b.block_id for b in table.blocks))

@@ -119,9 +119,39 @@ def hostile():
     server.server_close()
 
 
+@pytest.fixture(scope="module")
+def local():
+    """A local engine beside the remote client, as in a notebook that loaded a model and then
+    connected to a server: a finished request left cached blocks, a live one holds blocks mid-way."""
+    from conftest import hf_greedy, tiny_model
+
+    model, live = tiny_model("llama", seed=5), list(range(40, 55))
+    engine = Engine(model, None, block_size=4, num_blocks=32)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.generate([list(range(3, 20))], greedy)
+    rid = engine.add_request(live, greedy)
+    engine.step()
+    yield engine
+    while engine.has_unfinished_requests():            # the live request goes on, exactly
+        engine.step()
+    done = next(r for r in engine.finished_requests if r.request_id == rid)
+    assert engine.outputs.output(done).token_ids == hf_greedy(model, live, 6, stop_at_eos=False)
+    engine.check_invariants()
+
+
+def pool_state(engine) -> tuple:
+    """Everything about the local pool a misbehaving server could change: each block's references
+    and cached hash, the free queue's order, the live requests' tables."""
+    pool = engine.pool
+    return (pool.ref_counts().tolist(), [b.block_hash for b in pool.blocks],
+            [b.block_id for b in pool.free_queue],
+            {r.request_id: [s.block_table.block_ids for s in r.seqs] for r in engine.live_requests()})
+
+
 @pytest.mark.parametrize("case", sorted(EXPECTED))
-def test_each_hostile_answer_is_one_remote_error_line_in_bounded_time_and_memory(hostile, case, monkeypatch):
+def test_each_hostile_answer_is_one_remote_error_line_in_bounded_time_and_memory(hostile, local, case, monkeypatch):
     monkeypatch.setattr(wire, "MAX_STREAM", 2 * MiB)   # the cap, made small enough to reach quickly
+    before = pool_state(local)
     client = Engine.connect(hostile, timeout=1.0)
     tracemalloc.start()
     start = time.monotonic()
@@ -137,6 +167,9 @@ def test_each_hostile_answer_is_one_remote_error_line_in_bounded_time_and_memory
     assert not client.live_requests()
     assert client.generate("fine", SamplingParams(max_tokens=2))[0].text == "Hello world"
     client.shutdown()
+    assert pool_state(local) == before                 # the local engine's blocks are untouched
+    assert local.has_unfinished_requests()
+    local.check_invariants()
 
 
 def test_an_oversize_response_at_connect_is_one_line(hostile, monkeypatch):
@@ -173,3 +206,49 @@ def test_the_kv_event_socket_refuses_oversize_messages():
         assert listener._sock.getsockopt(zmq.MAXMSGSIZE) == MAX_MESSAGE_BYTES
     finally:
         listener.close()
+
+
+def test_an_oversize_kv_event_message_is_refused_in_one_line_and_the_next_batch_is_applied(caplog):
+    """End to end over ZMQ: a publisher sends a batch, one message over the limit (libzmq refuses
+    it unread and gives the connection up), then batches again: the listener says so in one
+    line, reconnects, and applies the next batch."""
+    zmq = pytest.importorskip("zmq")
+    from jupyter_pagedkv.remote.kv_events import MAX_MESSAGE_BYTES, KVEventListener
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    listener = KVEventListener(f"tcp://127.0.0.1:{port}")
+    stored = lambda hs: msgpack_batch(hs)   # noqa: E731
+
+    def publish_until(seq: int, hashes: list[int], done) -> None:
+        """Publish one batch every 50 ms until `done()` (a subscription takes a moment to reach
+        the publisher, which drops what it sends before); fails after 20 s."""
+        deadline = time.monotonic() + 20
+        while not done():
+            assert time.monotonic() < deadline, "the listener never received the batch"
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), stored(hashes)])
+            time.sleep(0.05)
+
+    try:
+        publish_until(1, [11, 12], lambda: listener.snapshot().num_blocks == 2)
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), b"\x00" * (MAX_MESSAGE_BYTES + 1)])
+        publish_until(3, [13], lambda: listener.snapshot().num_blocks == 3)
+        assert listener.error is None and listener.num_reconnects >= 1
+        assert "\n" not in listener.last_drop and "over 8 MiB is refused" in listener.last_drop
+        assert sum("the connection dropped" in r.getMessage() for r in caplog.records) == listener.num_reconnects
+        assert set(listener.snapshot().slots) == {11, 12, 13}   # the refused bytes were never decoded
+    finally:
+        listener.close()
+        pub.close(0)
+
+
+def msgpack_batch(hashes: list[int]) -> bytes:
+    """An EventBatch [ts, [BlockStored]] in msgpack, small ints only (what the listener decodes)."""
+    def s(text: str) -> bytes:
+        return bytes([0xA0 | len(text)]) + text.encode()
+    assert len(hashes) < 16 and all(0 <= h < 128 for h in hashes)
+    event = bytes([0x83]) + s("type") + s("BlockStored") + s("block_hashes") + bytes([0x90 | len(hashes)]) \
+        + bytes(hashes) + s("block_size") + bytes([16])
+    return bytes([0x92, 0x00, 0x91]) + event
