@@ -96,6 +96,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """The queues (waiting, running, swapped) and each step's decisions; memory through `kv` only."""
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  watermark: float = 0.01, policy: str = "fcfs") -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:

@@ -236,3 +236,33 @@ def test_update_from_output_commits_kept_drafts_once_their_tokens_are_in():
     assert taken == 3 and seq.num_tokens == 10 and seq.num_computed_tokens == 9
     assert seq.block_table.num_published == 2
     check_invariants(sched)
+
+
+PACKAGE = SCHEDULER.parents[1]
+
+
+@pytest.mark.parametrize("driver", ["engine/stepping.py", "sim/simulator.py"])
+def test_the_engine_and_the_simulator_keep_no_copy_of_the_post_forward_bookkeeping(driver):
+    tree = ast.parse((PACKAGE / driver).read_text())
+    calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert "update_from_output" in calls
+    assert not calls & {"publish", "cache_block", "cache_computed_blocks"}
+    written = {t.attr for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Attribute)}
+    assert "num_computed_tokens" not in written
+
+
+def test_the_simulator_steps_through_update_from_output(monkeypatch):
+    from jupyter_pagedkv.sim.cost_model import CostModel, ModelCost
+    from jupyter_pagedkv.sim.plan import MODELS
+    from jupyter_pagedkv.sim.simulator import SimConfig, Simulator
+    from jupyter_pagedkv.sim.workload import synthetic
+
+    calls = []
+    real = Scheduler.update_from_output
+    monkeypatch.setattr(Scheduler, "update_from_output", lambda self, *a: calls.append(1) or real(self, *a))
+    model = MODELS["Llama-3-8B"]
+    sim = Simulator(SimConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256),
+                    ModelCost.of(model), CostModel.for_gpu("H100-80GB", 1, num_layers=model.num_layers))
+    result = sim.run(synthetic(6, seed=2, max_context=256))
+    assert len(result.completion_order) == 6 and len(calls) == result.num_steps > 0
