@@ -9,6 +9,8 @@ short for the next reservation, so it waits although enough blocks are free in t
 
 The arena is granular to whole blocks so the KV layout stays block-addressed; the rounding adds
 less than one block per request, which is negligible next to the reservation itself.
+`ContiguousKVCacheManager` puts the arena behind the scheduler's door (core/kv_cache_manager.py),
+so the scheduler runs the baseline without knowing it is one.
 
 Free space is kept as a sorted list of extents `(start, length)`; first fit scans it in order and
 a release merges with both neighbours, so both are O(number of extents), which stays small (at
@@ -19,8 +21,15 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from .block_pool import BlockPool
 from .block_table import BlockTable
+from .kv_cache_manager import Admission, KVCacheManager
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+    from .swap_space import SwapSpace
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +120,66 @@ class ContiguousArena:
         pool_free = {b.block_id for b in self.pool.blocks if b.ref_count == 0}
         assert free == pool_free, (f"arena thinks {len(free)} blocks are free, the pool has "
                                    f"{len(pool_free)}")
+
+
+class ContiguousKVCacheManager(KVCacheManager):
+    """The baseline behind the manager's interface: admission reserves `prompt_len + max_tokens`
+    tokens (capped at `max_model_len`) as one run, growth stays inside it, nothing is shared or
+    cached, and nothing is ever preempted to make room (the run already holds every slot)."""
+
+    preempts = False
+
+    def __init__(self, pool: BlockPool, max_model_len: int | None = None,
+                 swap: SwapSpace | None = None) -> None:
+        super().__init__(pool, swap)
+        self.arena = ContiguousArena(pool)
+        self.max_model_len = max_model_len
+
+    def reservation(self, seq: Sequence) -> int:
+        """Tokens reserved: the whole prompt plus every token it may generate."""
+        want = seq.prompt_len + seq.params.max_tokens
+        return min(want, self.max_model_len) if self.max_model_len else want
+
+    def blocks_wanted(self, seq: Sequence) -> int:
+        return self.arena.blocks_for(self.reservation(seq))
+
+    def free_runs(self) -> tuple[int, ...]:
+        return tuple(self.arena.free_runs())
+
+    def computed_blocks(self, seq: Sequence, budget: int) -> Admission:
+        start = seq.num_computed_tokens
+        need = self.blocks_wanted(seq)
+        return Admission(start, min(seq.num_tokens - start, budget), need, need)
+
+    def admit(self, seq: Sequence, admission: Admission, copies: list[tuple[int, int]],
+              reserve: int = 0) -> bool:
+        """A run either exists or not: the watermark (`reserve`) protects no growth here."""
+        if not self.arena.reserve(seq.block_table, self.reservation(seq)):
+            return False
+        seq.block_table.grow(admission.start + admission.num_tokens, copies)   # inside the run
+        return True
+
+    def roll_back(self, seq: Sequence, num_slots: int) -> None:
+        """Rejected drafts give their slots back to the run, never blocks to the pool."""
+        table = seq.block_table
+        assert num_slots <= table.num_slots, "rollback cannot grow a table"
+        table.num_slots = num_slots
+
+    def _release(self, table: BlockTable) -> None:
+        self.arena.release(table)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Never: the baseline preempts only by recompute (and only when a cap is lowered)."""
+        return None
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """The common invariants, then the arena's own: its extents are the pool's free blocks."""
+        super().check_invariants(live)
+        self.arena.check_invariants()
+
+    def _check_table(self, seq: Sequence) -> None:
+        ids = seq.block_table.block_ids
+        if ids:   # the baseline holds its whole reservation, in one run
+            want = self.blocks_wanted(seq)
+            assert ids == list(range(ids[0], ids[0] + want)), (
+                f"{seq.request_id}: contiguous reservation {ids[0]}.. is not {want} adjacent blocks")

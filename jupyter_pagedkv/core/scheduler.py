@@ -1,4 +1,4 @@
-"""Scheduler: iteration-level (continuous) batching over the BlockPool.
+"""Scheduler: iteration-level (continuous) batching; memory only through a KVCacheManager.
 
 Every step it first advances running sequences (decodes and unfinished prefill chunks, oldest
 first), preempting the lowest-priority (then newest) running sequence when a block cannot be
@@ -11,16 +11,20 @@ admission, both from the cache and from full blocks that chunks scheduled earlie
 step will compute: requests that arrive together with a common prefix (a chat template's system
 prompt) compute it once. That is sound because every layer writes the whole step's K/V before it
 attends, so a block computed by one chunk is in the cache when another chunk of the step reads it.
+
+Where KV lives is the KVCacheManager's business (core/kv_cache_manager.py): the scheduler asks it
+for a request's computed blocks, for slots ("no room" means preempt or wait), to free, fork, swap
+and publish, and never touches a pool or a block table itself. After the forward,
+`update_from_output` is the one place that advances sequences, for the engine and the simulator.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
-from .block_pool import Block, BlockPool, NoFreeBlocksError
-from .contiguous import ContiguousArena
+from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
-from .swap_space import SwapSpace
 from .tenancy import Tenancy, queue_order
 
 
@@ -58,6 +62,16 @@ class StepRecord:
     duration_s: float = 0.0   # filled in by whoever ran the step (wall clock or cost model)
 
 
+@dataclass(slots=True)
+class SampledTokens:
+    """Tokens a step produced for one sequence. `num_computed`: for verified drafts, the positions
+    whose KV stays (committed once the tokens are in; None for a plain sampled token)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    num_computed: int | None = None
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -88,30 +102,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 watermark: float = 0.01, swap: SwapSpace | None = None,
-                 arena: ContiguousArena | None = None, max_model_len: int | None = None,
-                 policy: str = "fcfs") -> None:
+    """The queues (waiting, running, swapped) and each step's decisions; memory through `kv` only."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 watermark: float = 0.01, policy: str = "fcfs") -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.pool = pool
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.watermark_blocks = int(watermark * pool.num_blocks)
+        self.watermark_blocks = int(watermark * kv.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        self.swap = swap
-        # The contiguous baseline: admission reserves a whole run up front instead of growing.
-        self.arena = arena
-        self.max_model_len = max_model_len
-        self.tenancy = Tenancy(pool, policy)
+        self.tenancy = Tenancy(kv, policy)
         self.num_preemptions = 0
         self.num_swap_outs = 0
-        self.prefix_hits_by_tenant: dict[str | None, int] = {}   # prompt tokens found in the cache
-        # Full blocks this step's chunks will compute: hash -> (block, (parent hash, token ids,
-        # extra key)), the same identity BlockPool.lookup checks; hits for later admissions.
-        self._pending: dict[int, tuple[Block, tuple]] = {}
         # The step being planned (the last one once `schedule` returns): a failure part-way leaves
         # its swaps and copy-on-write copies undone, so whoever handles it ends what it names.
         self.plan = SchedulerOutput()
@@ -138,15 +144,13 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-            self.swap.free(seq.swap_slots)
-            seq.swap_slots = []
-        self._release(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one (n > 1 samples, a beam): it already holds its
-        blocks (shared through `BlockTable.fork`), so it joins `running` directly."""
+        blocks (shared through `KVCacheManager.fork`), so it joins `running` directly."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -171,7 +175,7 @@ class Scheduler:
     def _schedule(self) -> SchedulerOutput:
         out = self.plan = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self._pending.clear()
+        self.kv.begin_step()
         blocked = self._make_room(out) if self.tenancy.fair and self.waiting else set()
         rebalanced = len(out.preempted)
 
@@ -227,21 +231,20 @@ class Scheduler:
         """Under "fair": when the next tenant in line is under its share and its next request does
         not fit (blocks or sequence slots), preempt work of tenants over their share until it does.
         Returns the tenants whose work must not come back this step (they were just preempted)."""
-        tenancy, pool = self.tenancy, self.pool
+        tenancy = self.tenancy
         active = {s.tenant for s in self.live}
         seq = tenancy.next_candidate(self.swapped, self.waiting, set())
-        if seq is None or len(active) < 2 or self.arena is not None:   # the baseline never preempts
+        if seq is None or len(active) < 2 or not self.kv.preempts:   # preempting makes no room there
             return set()
         if seq.status is SequenceStatus.SWAPPED:
             need = len(seq.swap_slots) + 1
         else:
-            hits, _, _, need = self._admission(seq, self.max_num_batched_tokens)
-            need += sum(1 for b in hits if b.ref_count == 0)
+            need = self.kv.computed_blocks(seq, self.max_num_batched_tokens).num_new_blocks
         if tenancy.held(seq.tenant) + need > tenancy.share(seq.tenant, active) or tenancy.over_cap(seq.tenant, need):
             return set()   # it would be over its share (or cap): it waits its turn
         victims = set()
         while self.running:
-            if need <= pool.num_free - self.watermark_blocks and len(self.running) < self.max_num_seqs:
+            if self.kv.fits(need, self.watermark_blocks) and len(self.running) < self.max_num_seqs:
                 break
             victim = tenancy.over_share(self.running, active, seq.tenant)
             if victim is None:
@@ -254,32 +257,19 @@ class Scheduler:
     def _append(self, out: SchedulerOutput, chunk: ScheduledChunk) -> None:
         """Schedule `chunk` and offer the full blocks it completes to later admissions."""
         out.chunks.append(chunk)
-        if not self.pool.enable_prefix_caching or self.arena is not None:
-            return
-        seq, bs = chunk.seq, self.pool.block_size
-        first, end = chunk.start // bs, (chunk.start + chunk.num_tokens) // bs
-        if end <= first:
-            return
-        hashes = seq.hashes_upto(end)
-        for i in range(first, end):
-            block = seq.block_table.blocks[i]
-            if block.block_hash is None and hashes[i] not in self._pending:
-                key = (hashes[i - 1] if i else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]), seq.extra_key)
-                self._pending[hashes[i]] = (block, key)
+        self.kv.offer(chunk.seq, chunk.start, chunk.num_tokens)
 
     def _grow_or_preempt(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
         """Give `seq` slots up to `num_slots`, preempting newer sequences (its tenant's own when
         it is at its cap; under "fair" the furthest-over tenant's); False if `seq` itself went."""
         while True:
-            need = seq.block_table.blocks_needed(num_slots)
+            need = self.kv.blocks_needed(seq, num_slots)
             if self.tenancy.over_cap(seq.tenant, need):
                 victim = self.tenancy.victim(self.running, tenant=seq.tenant)   # its own, nobody else's
+            elif self.kv.allocate_slots(seq, num_slots, out.copies):
+                return True
             else:
-                try:
-                    seq.block_table.grow(num_slots, out.copies)
-                    return True
-                except NoFreeBlocksError:
-                    victim = self.tenancy.victim(self.running)
+                victim = self.tenancy.victim(self.running)
             self.preempt(victim, out)
             out.preempted.append(victim)
             if victim is seq:
@@ -289,7 +279,7 @@ class Scheduler:
         """Register a tenant's weight and cap; a cap below what it holds now preempts its own
         newest sequences at once (by recompute: no step is running to copy KV out)."""
         self.tenancy.set(name, weight, max_blocks)
-        while max_blocks is not None and self.pool.num_held(name) > max_blocks:
+        while max_blocks is not None and self.kv.num_held(name) > max_blocks:
             victim = self.tenancy.victim(self.running, tenant=name)
             self.preempt(victim, SchedulerOutput(), swap=False)
 
@@ -299,17 +289,14 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
-        table = seq.block_table
-        slots = self.swap.allocate(len(table.blocks)) if self.swap is not None and swap else None
-        if slots is not None:
-            out.swap_out.extend(zip(table.block_ids, slots))
-            seq.swap_slots, seq.swapped_num_slots = slots, table.num_slots
-            self._release(seq)
+        copies = self.kv.swap_out(seq) if swap else None
+        if copies is not None:
+            out.swap_out.extend(copies)
             seq.status = SequenceStatus.SWAPPED
             self._enqueue(self.swapped, seq)
             self.num_swap_outs += 1
             return
-        self._release(seq)
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self._enqueue(self.waiting, seq)   # ahead of everything newer of its priority
@@ -318,122 +305,59 @@ class Scheduler:
         """Bring a swapped sequence back into fresh blocks and schedule its next chunk, if it fits
         (AtTenantCap if its tenant could not hold them)."""
         assert not out.swap_out, "a host slot freed here could be overwritten by a swap-out"
-        assert self.arena is None, "the contiguous baseline never preempts, so never swaps in"
-        pool, bs = self.pool, self.pool.block_size
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        needed = max(len(seq.swap_slots), -(-(seq.num_computed_tokens + n) // bs))
+        needed = self.kv.blocks_to_swap_in(seq, seq.num_computed_tokens + n)
         if self.tenancy.over_cap(seq.tenant, needed):
             raise AtTenantCap
-        watermark = self.watermark_blocks if self.running else 0
-        if needed > pool.num_free - watermark:
+        if not self.kv.fits(needed, self.watermark_blocks if self.running else 0):
             return None
-        table = seq.block_table
-        table.blocks = pool.allocate_many(len(seq.swap_slots), table.owner)
-        table.num_slots = seq.swapped_num_slots
-        out.swap_in.extend(zip(seq.swap_slots, table.block_ids))
+        out.swap_in.extend(self.kv.swap_in(seq))
         out.resumed.append(seq)
-        self.swap.free(seq.swap_slots)
-        seq.swap_slots = []
         self.swapped.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        table.grow(seq.num_computed_tokens + n, out.copies)
+        grown = self.kv.allocate_slots(seq, seq.num_computed_tokens + n, out.copies)
+        assert grown, "fits() counted the blocks growing takes"
         return ScheduledChunk(seq, seq.num_computed_tokens, n)
 
-    def _release(self, seq: Sequence) -> None:
-        if self.arena is not None:
-            self.arena.release(seq.block_table)
-        else:
-            seq.block_table.free()
-
-    def reservation(self, seq: Sequence) -> int:
-        """Tokens the contiguous baseline reserves: the whole prompt plus every token it may generate."""
-        want = seq.prompt_len + seq.params.max_tokens
-        return min(want, self.max_model_len) if self.max_model_len else want
-
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
-        """Take `seq` in with its cached prefix and first chunk; None if the pool cannot hold it
+        """Take `seq` in with its cached prefix and first chunk; None if memory cannot hold it
         now, AtTenantCap if its tenant could not."""
-        pool, bs = self.pool, self.pool.block_size
-        if self.arena is not None:
-            start = seq.num_computed_tokens
-            n = min(seq.num_tokens - start, budget)
-            if self.tenancy.over_cap(seq.tenant, -(-self.reservation(seq) // bs)):
-                raise AtTenantCap
-            if not self.arena.reserve(seq.block_table, self.reservation(seq)):
-                return None
-            seq.block_table.grow(start + n, out.copies)   # inside the run: takes no block
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = 0
-            return ScheduledChunk(seq, start, n)
-        hits, start, n, needed = self._admission(seq, budget)
-        # The watermark keeps headroom for running sequences; with none running it protects nothing.
-        watermark = self.watermark_blocks if self.running else 0
-        if self.tenancy.over_cap(seq.tenant, needed + sum(1 for b in hits if seq.tenant not in b.owners)):
+        admission = self.kv.computed_blocks(seq, budget)
+        if self.tenancy.over_cap(seq.tenant, admission.num_tenant_blocks):
             raise AtTenantCap
-        # Hit blocks that sit in the free queue stop being free once we take them.
-        if needed + sum(1 for b in hits if b.ref_count == 0) > pool.num_free - watermark:
+        # The watermark keeps headroom for running sequences; with none running it protects nothing.
+        if not self.kv.admit(seq, admission, out.copies, self.watermark_blocks if self.running else 0):
             return None
-        if pool.enable_prefix_caching and seq.num_computed_tokens == 0:
-            pool.prefix_cache_queries += (seq.num_tokens - 1) // bs * bs
-            pool.prefix_cache_hits += len(hits) * bs
-            by_tenant = self.prefix_hits_by_tenant
-            by_tenant[seq.tenant] = by_tenant.get(seq.tenant, 0) + len(hits) * bs
-        if hits:
-            seq.block_table.adopt(hits)
-            seq.num_computed_tokens = start
-        seq.block_table.grow(start + n, out.copies)
         if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = start
-        return ScheduledChunk(seq, start, n)
+            seq.num_cached_tokens = admission.start
+        return ScheduledChunk(seq, admission.start, admission.num_tokens)
 
-    def _admission(self, seq: Sequence, budget: int) -> tuple[list, int, int, int]:
-        """What admitting `seq` with `budget` tokens takes: (prefix-cache hits, first position to
-        compute, tokens to compute, new blocks to allocate)."""
-        bs = self.pool.block_size
-        hits = self._cached_prefix(seq) if seq.num_computed_tokens == 0 else []
-        start = len(hits) * bs if hits else seq.num_computed_tokens
-        n = min(seq.num_tokens - start, budget)
-        return hits, start, n, -(-(start + n) // bs) - len(hits)
+    # -- after the forward ------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sample: Callable[[], Iterable[SampledTokens]],
+                           append: Callable[[Sequence, int], object]) -> int:
+        """The one post-forward protocol (the engine's step and the simulator both call it).
 
-    def _cached_prefix(self, seq: Sequence) -> list:
-        """Cached blocks matching the sequence's leading full blocks, or blocks that this step
-        computes for an earlier chunk; the last token is never a hit."""
-        pool = self.pool
-        if not pool.enable_prefix_caching:
-            return []
-        if getattr(seq.params, "prompt_logprobs", None) is not None and not seq.num_output_tokens:
-            return []   # its prompt_logprobs need every prompt position's logits (as vLLM: recompute)
-        bs = pool.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
-        hits = []
-        parent = None
-        for i, h in enumerate(seq.hashes_upto(max_blocks)):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            block = pool.lookup(h, parent, tokens, seq.extra_key)
-            if block is None and h in self._pending:
-                pending, key = self._pending[h]
-                if key == (parent, tuple(tokens), seq.extra_key):
-                    block = pending   # an earlier chunk of this very step computes it
-            if block is None:
-                break
-            hits.append(block)
-            parent = h
-        return hits
-
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish the sequence's newly full, computed blocks in the prefix cache."""
-        pool = self.pool
-        if not pool.enable_prefix_caching:
-            return
-        bs = pool.block_size
-        table = seq.block_table
-        full = seq.num_computed_tokens // bs
-        if full <= table.num_published:
-            return
-        hashes = seq.hashes_upto(full)
-        for i in range(table.num_published, full):
-            # False when an equal block is already cached (computed twice concurrently): fine.
-            pool.cache_block(table.blocks[i], hashes[i], hashes[i - 1] if i else None,
-                             seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key)
-        table.num_published = full
+        The step's chunks now have KV: each sequence advances and publishes its full blocks. Only
+        then is `sample()` called (a sequence forked for n samples or beams shares committed KV);
+        `append(seq, token)` adds each token it returns and finishes the sequence through
+        `finish` when a stop rule says so, which frees its blocks; a finished sequence takes no
+        more tokens. Verified drafts' KV is committed once their tokens are in. Returns how many
+        tokens were handed to `append`."""
+        kv = self.kv
+        for c in out.chunks:
+            seq = c.seq
+            seq.num_computed_tokens = c.start + c.num_tokens
+            kv.publish(seq)
+        num_tokens = 0
+        for sampled in sample():
+            seq = sampled.seq
+            for token in sampled.token_ids:
+                if seq.is_finished:
+                    break
+                append(seq, token)
+                num_tokens += 1
+            if sampled.num_computed is not None and not seq.is_finished:
+                seq.num_computed_tokens = sampled.num_computed
+                kv.publish(seq)
+        return num_tokens

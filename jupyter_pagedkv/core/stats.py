@@ -171,7 +171,7 @@ def tenant_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters
             name=UNNAMED if name is None else name, weight=spec.weight, max_blocks=spec.max_blocks,
             share=tenancy.share(name, active), blocks_used=pool.num_held(name),
             blocks_shared=pool.held_shared.get(name, 0),
-            cached_tokens=scheduler.prefix_hits_by_tenant.get(name, 0),
+            cached_tokens=scheduler.kv.prefix_hits_by_tenant.get(name, 0),
             num_running=sum(1 for s in scheduler.running if s.tenant == name),
             num_waiting=sum(1 for s in scheduler.waiting if s.tenant == name),
             num_preempted=sum(1 for s in scheduler.waiting if s.tenant == name and s.num_preemptions)

@@ -1,8 +1,8 @@
 """Tenancy: who holds the pool, what each tenant may hold, and whose work goes next.
 
 A tenant is the name a request was sent under (None: nobody named; that is one tenant too). The
-pool counts the distinct blocks each tenant references (`BlockPool.num_held`), so everything here
-is O(tenants) per decision. Two policies drive the Scheduler:
+KV-cache manager answers how many distinct blocks each tenant references (`num_held`, a counter
+the pool keeps), so everything here is O(tenants) per decision. Two policies drive the Scheduler:
 
 - "fcfs": work goes in queue order (priority, then arrival), swapped work first; a pool running
   dry preempts the newest running sequence, whoever sent it.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 from .sampling_params import show
 
 if TYPE_CHECKING:
-    from .block_pool import BlockPool
+    from .kv_cache_manager import KVCacheManager
     from .sequence import Sequence
 
 POLICIES = ("fcfs", "fair")
@@ -47,12 +47,12 @@ def queue_order(seq: Sequence) -> tuple:
 
 
 class Tenancy:
-    """The tenants' specs and the policy's decisions, over the pool's per-tenant counts."""
+    """The tenants' specs and the policy's decisions, over the memory's per-tenant counts."""
 
-    def __init__(self, pool: BlockPool, policy: str = "fcfs") -> None:
+    def __init__(self, kv: KVCacheManager, policy: str = "fcfs") -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.pool = pool
+        self.kv = kv
         self.policy = policy
         self.specs: dict[str | None, TenantSpec] = {}
 
@@ -70,7 +70,7 @@ class Tenancy:
         return self.specs.get(name) or TenantSpec(name)
 
     def held(self, name: str | None) -> int:
-        return self.pool.num_held(name)
+        return self.kv.num_held(name)
 
     def usage(self, name: str | None) -> float:
         """Blocks held per unit of weight: the fair policy serves the smallest first."""
@@ -79,7 +79,7 @@ class Tenancy:
     def share(self, name: str | None, active: Iterable[str | None]) -> float:
         """`name`'s fair share of the pool in blocks, among the tenants in `active` (and itself)."""
         total = sum(self.spec(t).weight for t in set(active) | {name})
-        return self.pool.num_blocks * self.spec(name).weight / total
+        return self.kv.num_blocks * self.spec(name).weight / total
 
     def over_cap(self, name: str | None, extra: int) -> bool:
         """Whether holding `extra` more blocks would take `name` past its max_blocks."""

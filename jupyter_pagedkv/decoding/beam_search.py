@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..core.block_table import BlockTable
 from ..core.sampling_params import BeamSearchParams, SamplingParams
 from ..core.sequence import Sequence, SequenceStatus
 
@@ -182,7 +181,7 @@ def spawn(parent: Sequence, scheduler: Scheduler) -> Sequence:
     shared, ref counts +1); a waiting or swapped parent holds no device blocks, so the child
     starts empty and is recomputed (its prefix usually hits the cache)."""
     running = parent.status is SequenceStatus.RUNNING
-    table = parent.block_table.fork() if running else BlockTable(scheduler.pool)
+    table = scheduler.kv.fork(parent) if running else scheduler.kv.new_table()
     child = Sequence(parent.request_id, list(parent.token_ids), parent.prompt_len, parent.params,
                      table, parent.arrival_time, parent.priority,
                      num_computed_tokens=parent.num_computed_tokens if running else 0,

@@ -4,7 +4,7 @@ For a decoding sequence with L tokens (the last one not yet computed) the Specul
 draft tokens and widens its chunk to k + 1 query tokens, so the step's single forward writes
 their KV into the sequence's own paged blocks and returns logits at all k + 1 positions. After
 verification the drafts leave `token_ids`, the accepted ones come back as ordinary tokens, and
-`BlockTable.rollback` drops the rejected slots (blocks left empty go back to the pool at once).
+`KVCacheManager.roll_back` drops the rejected slots (blocks left empty go back to the pool at once).
 Drafts exist only inside `Engine.step`, under the engine lock: no scheduler queue, preemption,
 prefix-cache hash or snapshot ever sees an unverified token.
 
@@ -149,7 +149,7 @@ class Speculator:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.scheduler = scheduler
-        self.pool = scheduler.pool
+        self.kv = scheduler.kv
         self.drafters = drafters
         self.default = default
         self.k = num_speculative_tokens
@@ -215,14 +215,14 @@ class Speculator:
                 logger.warning("drafter %r failed for %d sequence(s): %s", name, len(seqs), err)
                 for seq in seqs:
                     if drafter.needs_slots:
-                        seq.block_table.rollback(seq.num_tokens)      # the slots reserved for drafts
+                        self.kv.roll_back(seq, seq.num_tokens)      # the slots reserved for drafts
                     self._failures.append((seq, err))
                 continue
             for (c, k), prop in zip(items, proposals):
                 seq, base = c.seq, c.seq.num_tokens
                 n = min(len(prop.tokens), k)
                 if drafter.needs_slots:
-                    seq.block_table.rollback(base + n)   # slots reserved for drafts not proposed
+                    self.kv.roll_back(seq, base + n)   # slots reserved for drafts not proposed
                 else:
                     n = self._reserve(seq, n, sched)
                 if n <= 0:
@@ -239,12 +239,12 @@ class Speculator:
 
     def _reserve(self, seq: Sequence, k: int, sched: SchedulerOutput) -> int:
         """Grow the table by up to `k` draft slots from blocks free beyond the watermark."""
-        table, base = seq.block_table, seq.num_tokens
-        spare = self.pool.num_free - self.scheduler.watermark_blocks
-        while k > 0 and table.blocks_needed(base + k) > spare:
+        kv, base = self.kv, seq.num_tokens
+        while k > 0 and not kv.fits(kv.blocks_needed(seq, base + k), self.scheduler.watermark_blocks):
             k -= 1
         if k > 0:
-            table.grow(base + k, sched.copies)
+            grown = kv.allocate_slots(seq, base + k, sched.copies)
+            assert grown, "fits() counted the blocks growing takes"
         return k
 
     # -- after the forward ----------------------------------------------------------------------
@@ -309,7 +309,7 @@ class Speculator:
         table = seq.block_table
         dropped = table.num_slots - num_computed
         before = set(table.block_ids)
-        table.rollback(num_computed)
+        self.kv.roll_back(seq, num_computed)
         self.stats.last_step_rolled_back += max(dropped, 0)
         self.stats.last_step_freed_blocks.extend(sorted(before - set(table.block_ids)))
         for drafter in self.drafters.values():

@@ -21,7 +21,8 @@ import torch
 from ..config import EngineConfig
 from ..core.block_pool import BlockPool
 from ..core.block_table import BlockTable
-from ..core.contiguous import ContiguousArena
+from ..core.contiguous import ContiguousKVCacheManager
+from ..core.kv_cache_manager import PagedKVCacheManager
 from ..core.sampling_params import BeamSearchParams, SamplingParams
 from ..core.scheduler import Scheduler, StepRecord
 from ..core.sequence import Sequence
@@ -79,9 +80,9 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         pad = config.pad_decode or graphs
         self.kv_cache = KVCache(self.spec, num_blocks, bs, self.device, scratch=pad)
         self.swap = setup.swap_space(config.swap_space, self.kv_cache) if self.preemption_mode == "swap" else None
-        arena = ContiguousArena(self.pool) if self.allocator == "contiguous" else None
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   swap=self.swap, arena=arena, max_model_len=self.max_model_len,
+        kv = (ContiguousKVCacheManager(self.pool, self.max_model_len, self.swap) if self.allocator == "contiguous"
+              else PagedKVCacheManager(self.pool, self.swap))
+        self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    policy=config.scheduling_policy)
         self.trace: list[StepRecord] | None = None            # [] records every step's schedule
         self.step_timings: list[StepTiming] | None = None     # [] times every step's phases

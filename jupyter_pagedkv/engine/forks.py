@@ -19,7 +19,7 @@ def fork_samples(req: Request, seq: Sequence, scheduler: Scheduler) -> list[Sequ
         return [seq]
     for i in range(1, n):
         child = Sequence(seq.request_id, list(seq.token_ids), seq.prompt_len, seq.params,
-                         seq.block_table.fork(), seq.arrival_time, seq.priority,
+                         scheduler.kv.fork(seq), seq.arrival_time, seq.priority,
                          num_computed_tokens=seq.num_computed_tokens,
                          num_cached_tokens=seq.num_cached_tokens,
                          block_hashes=list(seq.block_hashes), extra_key=seq.extra_key, tenant=seq.tenant)

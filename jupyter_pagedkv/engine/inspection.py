@@ -77,10 +77,7 @@ class EngineInspection:
             if not sched.waiting:
                 return None
             seq = sched.waiting[0]
-            if sched.arena is None:
-                return QueueHead(seq.request_id, -(-seq.num_tokens // self.block_size), self.pool.num_free, None)
-            return QueueHead(seq.request_id, sched.arena.blocks_for(sched.reservation(seq)),
-                             self.pool.num_free, tuple(sched.arena.free_runs()))
+            return QueueHead(seq.request_id, sched.kv.blocks_wanted(seq), sched.kv.num_free, sched.kv.free_runs())
 
     def info(self) -> EngineInfo:
         dtype = str(self.dtype).replace("torch.", "")

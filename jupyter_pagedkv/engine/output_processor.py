@@ -74,16 +74,6 @@ class OutputProcessor:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
-    def append_accepted(self, req: Request, seq: Sequence, accepted: list[int], now: float,
-                        logprobs: list[TokenLogprobs] | None = None) -> int:
-        """Append verified draft tokens plus the target's own one; returns how many were
-        appended before a stop rule ended the sequence (all of them if none did)."""
-        for i, token in enumerate(accepted):
-            self.append_token(req, seq, token, now, logprobs[i] if logprobs else None)
-            if seq.is_finished:
-                return i + 1
-        return len(accepted)
-
     # -- requests ---------------------------------------------------------------------------------
     def finish(self, req: Request, now: float) -> None:
         """Fix the final texts (and beam hypotheses) and tell the listeners."""

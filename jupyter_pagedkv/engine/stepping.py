@@ -13,13 +13,15 @@ Ctrl-C), the exception attached and logged once with its id, and returns every b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from collections import deque
 from typing import Callable
 
 import torch
 
-from ..core.scheduler import SchedulerOutput
+from ..core.scheduler import SampledTokens, SchedulerOutput
 from ..core.sequence import Sequence
 from ..worker.step_timing import StepTiming
 from .forks import advance_beams, fork_samples
@@ -75,10 +77,18 @@ class Stepping:
         if drafts:   # takes the drafts back out of token_ids before anything is hashed
             sampling, logits, verified = self.speculator.split(sampling, logits, drafts, self.sampler.generator,
                                                                 self.sampler.process)
-        touched = self._commit_computed(sched, t0)
-        for seq, err in self.speculator.take_failures():      # their plain decode ran: KV is sound
-            self._fail([self._requests.get(seq.request_id)], err)
-        num_tokens = self._sample(sampling, logits, verified, now)
+        touched = self._touched_requests(sched, t0)
+        beam_rows: list[tuple[Sequence, int]] = []
+        logprobs: dict[int, deque] = {}
+
+        def sample() -> list[SampledTokens]:   # called once the step's KV is committed
+            for seq, err in self.speculator.take_failures():      # their plain decode ran: KV is sound
+                self._fail([self._requests.get(seq.request_id)], err)
+            return self._sample(sampling, logits, verified, beam_rows, logprobs)
+
+        num_tokens = self.scheduler.update_from_output(sched, sample, functools.partial(self._append_token, now, logprobs))
+        if beam_rows:
+            num_tokens += advance_beams(beam_rows, logits, self._requests, self.scheduler, now)
         outputs = []
         for req in touched.values():
             if req.request_id in self._requests:              # not failed or finished above
@@ -126,25 +136,24 @@ class Stepping:
         except Exception as err:
             self._fail([req], err)
 
-    def _commit_computed(self, sched: SchedulerOutput, t0: float) -> dict[str, Request]:
-        """The step's chunks now have KV: advance each sequence, publish its full blocks."""
+    def _touched_requests(self, sched: SchedulerOutput, t0: float) -> dict[str, Request]:
+        """The step's requests (its chunks'), each stamped with when it was first scheduled."""
         touched: dict[str, Request] = {}
         for c in sched.chunks:
-            seq = c.seq
-            seq.num_computed_tokens = c.start + c.num_tokens
-            self.scheduler.cache_computed_blocks(seq)
-            req = self._requests[seq.request_id]
+            req = self._requests[c.seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
             touched[req.request_id] = req
         return touched
 
-    def _sample(self, sampling, logits: torch.Tensor, verified, now: float) -> int:
+    def _sample(self, sampling, logits: torch.Tensor, verified,
+                beam_rows: list[tuple[Sequence, int]], logprobs: dict[int, deque]) -> list[SampledTokens]:
         """Pick the step's tokens: plain rows through the sampler (a request with n > 1 forks its
-        samples at the first), verified drafts, then beams together; returns tokens appended.
-        The logprobs that rows ask for (generated, accepted drafts, prompt) come in one pass after
-        the picks, from the raw logits (engine/logprobs.py)."""
-        rows, seqs, beam_rows = [], [], []
+        samples at the first), then verified drafts (rejected slots rolled back first); beams'
+        rows go to `beam_rows`, to select together once the others' tokens are in. The logprobs
+        that rows ask for (generated, accepted drafts, prompt) come in one pass after the picks,
+        from the raw logits (engine/logprobs.py), queued in `logprobs` by seq_id for `_append_token`."""
+        rows, seqs = [], []
         for i, c in enumerate(sampling):
             req = self._requests.get(c.seq.request_id)
             if req is None:
@@ -161,17 +170,24 @@ class Stepping:
         except Exception as err:                               # those rows' requests fail, no others
             self._fail(list({s.request_id: self._requests[s.request_id] for s in seqs}.values()), err)
             seqs, tokens = [], []
-        lps = self._logprobs(picked, seqs, tokens, verified)
-        for seq, token in zip(seqs, tokens):
-            req = self._requests.get(seq.request_id)
-            if req is not None:
-                self._guard(req, self.outputs.append_token, req, seq, token, now, lps.get(seq.seq_id, [None])[0])
-        num = len(tokens)
+        for seq, found in self._logprobs(picked, seqs, tokens, verified).items():
+            logprobs[seq] = deque(found)
+        sampled = [SampledTokens(seq, [token]) for seq, token in zip(seqs, tokens)]
         for seq, accepted, _ in verified:
-            req = self._requests.get(seq.request_id)
-            if req is not None:
-                num += self._keep_verified(req, seq, accepted, now, lps.get(seq.seq_id))
-        return num + (advance_beams(beam_rows, logits, self._requests, self.scheduler, now) if beam_rows else 0)
+            if seq.request_id in self._requests:
+                # The kept drafts' KV stays; rejected slots roll back, emptied blocks return at once.
+                num_computed = seq.num_tokens + len(accepted) - 1
+                self.speculator.roll_back(seq, num_computed)
+                sampled.append(SampledTokens(seq, accepted, num_computed))
+        return sampled
+
+    def _append_token(self, now: float, logprobs: dict[int, deque], seq: Sequence, token: int) -> None:
+        """Append one token, with its logprobs if the row asked (the output processor's stop rules
+        may finish the sequence); if that raises, its request alone fails."""
+        req = self._requests.get(seq.request_id)
+        if req is not None:
+            queued = logprobs.get(seq.seq_id)
+            self._guard(req, self.outputs.append_token, req, seq, token, now, queued.popleft() if queued else None)
 
     def _logprobs(self, picked: torch.Tensor, seqs: list[Sequence], tokens: list[int], verified) -> dict:
         """One pass over the rows that ask; the prompt rows' answers go straight to their requests,
@@ -200,20 +216,6 @@ class Stepping:
         for c, req, g in prompt:
             self._guard(req, add_prompt_logprobs, req, c, found[g], self.outputs.decode_token)
         return {seq.seq_id: found[g] for seq, g in groups}
-
-    def _keep_verified(self, req: Request, seq: Sequence, accepted: list[int], now: float, logprobs=None) -> int:
-        """The kept drafts' KV stays; rejected slots roll back, emptied blocks return at once."""
-        num_computed = seq.num_tokens + len(accepted) - 1
-        self.speculator.roll_back(seq, num_computed)
-        try:
-            kept = self.outputs.append_accepted(req, seq, accepted, now, logprobs)
-        except Exception as err:
-            self._fail([req], err)
-            return 0
-        if not seq.is_finished:
-            seq.num_computed_tokens = num_computed
-            self.scheduler.cache_computed_blocks(seq)
-        return kept
 
     def _time_step(self, sched: SchedulerOutput, t0: float, launched: float, now: float, t1: float) -> None:
         r = self.runner

@@ -1,25 +1,27 @@
 """Simulator: the engine's own Scheduler and BlockPool on a virtual clock, priced by a CostModel.
 
 Nothing is re-implemented: each step calls `Scheduler.schedule()` exactly as `Engine.step()`
-does, advances the clock by the cost model's step time instead of running a model, then marks
-the scheduled tokens computed, publishes full blocks to the prefix cache and appends each
-sampling sequence's next token from the request's predetermined output. With the real run's
+does, advances the clock by the cost model's step time instead of running a model, then hands
+`Scheduler.update_from_output` (the engine's own post-forward protocol: computed tokens, full
+blocks published, tokens appended, finished sequences freed) each sampling sequence's next token
+from the request's predetermined output. With the real run's
 prompts and outputs it therefore reproduces the real schedule step for step; with synthetic
 requests it replays a production-scale day on a laptop (a 70B model, thousands of requests).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 from ..core.block_pool import BlockPool
-from ..core.block_table import BlockTable
-from ..core.contiguous import ContiguousArena
+from ..core.contiguous import ContiguousKVCacheManager
+from ..core.kv_cache_manager import PagedKVCacheManager
 from .plan import plan as capacity_plan
 from ..core.sampling_params import SamplingParams
-from ..core.scheduler import Scheduler, StepRecord
+from ..core.scheduler import SampledTokens, Scheduler, SchedulerOutput, StepRecord
 from ..core.sequence import Sequence
 from ..core.swap_space import SwapSpace
 from ..core.tenancy import TenantSpec
@@ -86,10 +88,9 @@ class Simulator:
         bs = cfg.block_size
         paged = cfg.allocator == "paged"
         pool = BlockPool(cfg.num_blocks, bs, cfg.enable_prefix_caching and paged)
-        sched = Scheduler(pool, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                          swap=SwapSpace(cfg.swap_blocks) if cfg.preemption_mode == "swap" and cfg.swap_blocks else None,
-                          arena=None if paged else ContiguousArena(pool), max_model_len=cfg.max_model_len,
-                          policy=cfg.scheduling_policy)
+        swap = SwapSpace(cfg.swap_blocks) if cfg.preemption_mode == "swap" and cfg.swap_blocks else None
+        kv = PagedKVCacheManager(pool, swap) if paged else ContiguousKVCacheManager(pool, cfg.max_model_len, swap)
+        sched = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, policy=cfg.scheduling_policy)
         for spec in cfg.tenants:
             sched.set_tenant(spec.name, spec.weight, spec.max_blocks)
         for r in requests:
@@ -104,12 +105,25 @@ class Simulator:
         result = SimResult(RunSummary(label, timings, 0.0, 0.0, 0))
         meter = UtilisationMeter()
         clock, since, i, steps, max_conc = 0.0, 0.0, 0, 0, 0
+
+        def append(seq: Sequence, token: int) -> None:
+            """The request's next predetermined token, at the clock's now; its last one finishes it."""
+            req = by_id[seq.request_id]
+            seq.token_ids.append(token)
+            if seq.num_output_tokens == 1:
+                first[req.request_id] = clock
+            if seq.num_output_tokens == req.output_len:
+                sched.finish(seq, "length" if req.output_len == req.max_tokens else "stop")
+                timings.append(RequestTiming(req.request_id, req.arrival_s, first[req.request_id],
+                                             clock, req.output_len, req.tenant))
+                result.completion_order.append(req.request_id)
+
         while i < len(pending) or sched.has_work():
             while i < len(pending) and pending[i].arrival_s <= clock:
                 r = pending[i]
                 params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
                 sched.add(Sequence(r.request_id, list(r.prompt_ids), r.prompt_len, params,
-                                   BlockTable(pool), r.arrival_s, r.priority, tenant=r.tenant))
+                                   kv.new_table(), r.arrival_s, r.priority, tenant=r.tenant))
                 i += 1
             if not sched.has_work():
                 clock = pending[i].arrival_s
@@ -126,23 +140,7 @@ class Simulator:
             steps += 1
             if record_trace:
                 result.trace.append(dataclasses.replace(out.record(), duration_s=dt))
-            for c, (_, _, samples) in zip(out.chunks, shape):
-                seq = c.seq
-                seq.num_computed_tokens = c.start + c.num_tokens
-                if seq.num_computed_tokens // bs > seq.block_table.num_published:
-                    sched.cache_computed_blocks(seq)
-                if not samples:
-                    continue
-                req = by_id[seq.request_id]
-                k = len(seq.token_ids) - seq.prompt_len
-                seq.token_ids.append(req.output_ids[k])
-                if k == 0:
-                    first[req.request_id] = clock
-                if k + 1 == req.output_len:
-                    sched.finish(seq, "length" if req.output_len == req.max_tokens else "stop")
-                    timings.append(RequestTiming(req.request_id, req.arrival_s, first[req.request_id],
-                                                 clock, req.output_len, req.tenant))
-                    result.completion_order.append(req.request_id)
+            sched.update_from_output(out, functools.partial(_next_tokens, out, by_id), append)
             # Occupancy after the step (as the real-engine driver measures it), sampled on a
             # stride and weighted by the time since the last sample.
             for tenant, held in pool.held.items():
@@ -158,3 +156,9 @@ class Simulator:
                                     sched.num_preemptions)
         result.num_steps = steps
         return result
+
+
+def _next_tokens(out: SchedulerOutput, by_id: dict[str, SimRequest]) -> list[SampledTokens]:
+    """Each sampling chunk's next token, from its request's predetermined output."""
+    return [SampledTokens(c.seq, [by_id[c.seq.request_id].output_ids[c.seq.num_output_tokens]])
+            for c in out.chunks if c.samples]

@@ -13,8 +13,9 @@ import pytest
 from jupyter_pagedkv.core.block_pool import BlockPool
 from jupyter_pagedkv.core.block_table import BlockTable
 from jupyter_pagedkv.core.invariants import check_invariants
+from jupyter_pagedkv.core.kv_cache_manager import PagedKVCacheManager
 from jupyter_pagedkv.core.sampling_params import SamplingParams
-from jupyter_pagedkv.core.scheduler import Scheduler
+from jupyter_pagedkv.core.scheduler import SampledTokens, Scheduler
 from jupyter_pagedkv.core.sequence import Sequence
 
 TOLERANCE = 0.05   # absolute, on each tenant's fraction of the blocks held while all are backlogged
@@ -27,18 +28,17 @@ def sequence(pool, rid, prompt_len, max_tokens, arrival, tenant, rng, priority=0
 
 
 def step(sched: Scheduler) -> list:
-    """One step as the engine runs it; returns the sequences that finished."""
+    """One step as the engine runs it (token 1 every time); returns the sequences that finished."""
     out = sched.schedule()
     done = []
-    for c in out.chunks:
-        seq = c.seq
-        seq.num_computed_tokens = c.start + c.num_tokens
-        sched.cache_computed_blocks(seq)
-        if c.samples:
-            seq.token_ids.append(1)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq, "length")
-                done.append(seq)
+
+    def append(seq, token):
+        seq.token_ids.append(token)
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            sched.finish(seq, "length")
+            done.append(seq)
+
+    sched.update_from_output(out, lambda: [SampledTokens(c.seq, [1]) for c in out.chunks if c.samples], append)
     return out, done
 
 
@@ -47,7 +47,7 @@ def backlogged_shares(weights: dict, policy: str, seed: int, num_blocks=160, blo
     work waiting (all backlogged, so each wanted more than it had)."""
     rng = random.Random(seed)
     pool = BlockPool(num_blocks, block_size)
-    sched = Scheduler(pool, max_num_seqs=32, max_num_batched_tokens=512, policy=policy)
+    sched = Scheduler(PagedKVCacheManager(pool), max_num_seqs=32, max_num_batched_tokens=512, policy=policy)
     for name, w in weights.items():
         sched.set_tenant(name, w)
     for k in range(per_tenant):
@@ -95,7 +95,7 @@ def noisy_then_quiet(policy: str, max_steps: int = 400):
     request. Returns (steps until the quiet request first runs, preemptions)."""
     rng = random.Random(7)
     pool = BlockPool(64, 8)
-    sched = Scheduler(pool, max_num_seqs=16, max_num_batched_tokens=256, policy=policy)
+    sched = Scheduler(PagedKVCacheManager(pool), max_num_seqs=16, max_num_batched_tokens=256, policy=policy)
     for k in range(8):
         sched.add(sequence(pool, f"noisy{k}", 40, 200, float(k), "noisy", rng))
     for _ in range(30):
@@ -122,7 +122,7 @@ def test_a_tenant_under_its_share_is_let_in_at_once():
 def test_max_blocks_is_a_hard_cap_and_only_its_tenant_waits(policy):
     rng = random.Random(11)
     pool = BlockPool(96, 4)
-    sched = Scheduler(pool, max_num_seqs=24, max_num_batched_tokens=128, policy=policy)
+    sched = Scheduler(PagedKVCacheManager(pool), max_num_seqs=24, max_num_batched_tokens=128, policy=policy)
     sched.set_tenant("capped", max_blocks=20)
     for k in range(12):
         sched.add(sequence(pool, f"c{k}", rng.randint(4, 30), rng.randint(10, 40), float(k), "capped", rng))
@@ -144,7 +144,7 @@ def test_max_blocks_is_a_hard_cap_and_only_its_tenant_waits(policy):
 def test_lowering_a_cap_preempts_the_tenants_own_newest_work():
     rng = random.Random(3)
     pool = BlockPool(64, 4)
-    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=256)
+    sched = Scheduler(PagedKVCacheManager(pool), max_num_seqs=8, max_num_batched_tokens=256)
     seqs = [sequence(pool, f"r{k}", 20, 20, float(k), "t", rng) for k in range(3)]
     other = sequence(pool, "o", 20, 20, 9.0, "u", rng)
     for s in [*seqs, other]:
