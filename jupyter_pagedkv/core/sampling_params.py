@@ -13,6 +13,8 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 # A field's rule: (does the value pass, what to pass instead).
@@ -76,6 +78,9 @@ SAMPLING_RULES: dict[str, Rule] = {
                   "None or a list of non-empty strings or non-empty token id lists"),
     "include_stop_str_in_output": (lambda v: isinstance(v, bool), "True or False"),
     "skip_special_tokens": (lambda v: isinstance(v, bool), "True or False"),
+    # Compiled with the engine's tokenizer at intake (decoding/grammar.py).
+    "structured_outputs": (lambda v: v is None or isinstance(v, StructuredOutputsParams),
+                           "None or StructuredOutputsParams(json=..., regex=..., grammar=... or choice=...)"),
 }
 
 BEAM_RULES: dict[str, Rule] = {
@@ -148,6 +153,8 @@ class SamplingParams:
     bad_words: list[str | list[int]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output matches a JSON schema, regex, grammar or choice (a mask before the processors).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
@@ -157,6 +164,8 @@ class SamplingParams:
     def validate(self) -> None:
         """Reject nonsense early, with a message that says what to pass instead."""
         check_fields(self, SAMPLING_RULES)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
