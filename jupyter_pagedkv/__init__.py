@@ -19,11 +19,12 @@ import warnings
 from typing import TYPE_CHECKING
 
 from .core.sampling_params import BeamSearchParams, SamplingParams
+from .core.structured_outputs import StructuredOutputsParams
 from .engine import extensions as _extensions
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "BeamSearchParams", "BeamSearchOutput",
-           "RequestOutput", "EngineStats"]
+           "RequestOutput", "EngineStats", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from .config import EngineConfig

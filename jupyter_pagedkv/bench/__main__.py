@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,kernels,compile,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,structured,kernels,compile,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -29,6 +29,8 @@ def main(argv: list[str]) -> int:
         from .memory import main as run
     elif name == "monitor":
         from .monitor import main as run
+    elif name == "structured":
+        from .structured import main as run
     elif name == "soak":
         from .soak import main as run
     elif name == "architectures":

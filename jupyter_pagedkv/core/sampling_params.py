@@ -13,6 +13,8 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 # A field's rule: (does the value pass, what to pass instead).
@@ -83,6 +85,9 @@ SAMPLING_RULES: dict[str, Rule] = {
                  f"None or an integer in [0, {MAX_LOGPROBS}] (alternatives per generated token)"),
     "prompt_logprobs": (lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
                         f"None or an integer in [0, {MAX_LOGPROBS}] (alternatives per prompt token)"),
+    # Compiled with the engine's tokenizer at intake (decoding/grammar.py).
+    "structured_outputs": (lambda v: v is None or isinstance(v, StructuredOutputsParams),
+                           "None or StructuredOutputsParams(json=..., regex=..., grammar=... or choice=...)"),
 }
 
 BEAM_RULES: dict[str, Rule] = {
@@ -161,6 +166,8 @@ class SamplingParams:
     # (a request asking for them skips prefix-cache hits until its prompt is computed). None: off.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output matches a JSON schema, regex, grammar or choice (a mask before the processors).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
@@ -170,6 +177,8 @@ class SamplingParams:
     def validate(self) -> None:
         """Reject nonsense early, with a message that says what to pass instead."""
         check_fields(self, SAMPLING_RULES)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 

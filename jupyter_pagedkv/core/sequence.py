@@ -43,6 +43,9 @@ class Sequence:
     num_cached_tokens: int | None = None   # prefix hit at first admission
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    # Structured outputs: the grammar matcher of this stream (decoding/grammar.GrammarState), which
+    # has accepted exactly its output tokens; it forks with n and stays through preemption.
+    grammar: object = None
     # Chained hashes of the full blocks of token_ids, extended lazily; valid across preemption.
     block_hashes: list[int] = field(default_factory=list)
     text: str = ""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters import Drafter, Proposal
+from .grammar import FixedMask
 from ..core.scheduler import ScheduledChunk, SchedulerOutput
 from ..core.sequence import Sequence
 from .verification import verify_greedy, verify_sampled
@@ -267,7 +268,8 @@ class Speculator:
 
         `process(logits, contexts)` applies the request's logits processors: the target's row at
         draft position j sees the context as if drafts 0 .. j-1 had been accepted, so the tokens
-        kept are those the processors would have let plain decoding pick."""
+        kept are those the processors would have let plain decoding pick. A grammar's mask at
+        position j is likewise its matcher's after drafts 0 .. j-1 (`GrammarState.fill_drafts`)."""
         plain, plain_rows, verified = [], [], []
         row = 0
         for c in sampling:
@@ -282,8 +284,10 @@ class Speculator:
             seq, tokens = c.seq, draft.proposal.tokens
             del seq.token_ids[draft.base_len:]
             c.num_tokens, c.num_logits = 1, 1
-            if process is not None and seq.params.has_processors:
-                rows = process(rows.float(), [DraftContext(seq.params, seq.token_ids + tokens[:j], seq.prompt_len)
+            masks = seq.grammar.fill_drafts(tokens, rows.shape[1]) if seq.grammar is not None else None
+            if process is not None and (seq.params.has_processors or masks is not None):
+                rows = process(rows.float(), [DraftContext(seq.params, seq.token_ids + tokens[:j], seq.prompt_len,
+                                                           FixedMask(masks[j]) if masks is not None else None)
                                               for j in range(len(tokens) + 1)])
             if seq.params.greedy:
                 out = verify_greedy(rows, tokens)

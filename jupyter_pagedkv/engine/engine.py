@@ -103,6 +103,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
                                   config.decode_attention)
         self.eos_token_ids = setup.eos_token_ids(model, tokenizer)
         self.sampler = Sampler(config.seed, self.device, self.eos_token_ids)
+        self._grammars = None      # structured outputs' compiler, built at the first such request
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler)
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
@@ -197,6 +198,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         params = intake.resolve_bad_words(params, self.tokenizer)
         intake.check_token_ids(params, self.vocab_size)
         intake.check_logprobs(params, self.vocab_size)
+        grammar = self._grammar_for(params)
         tenant = intake.check_tenant(tenant)
         if isinstance(params.speculative, str):   # last: only a request that passed every check loads one
             self.add_drafter(params.speculative)   # a draft model named per request loads once
@@ -212,6 +214,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
                            tenant=tenant)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            seq.grammar = grammar
             req = Request(rid, text, list(ids), params, [seq], RequestMetrics(now), beam=beam, tenant=tenant)
             if listener is not None:
                 req.listeners.append(listener)
@@ -219,6 +222,19 @@ class Engine(Stepping, EngineInspection, GenerationFront):
             self.scheduler.add(seq)
             self._work.notify_all()
         return rid
+
+    def _grammar_for(self, params: SamplingParams):
+        """The first sequence's grammar matcher, or None without structured_outputs. Each distinct
+        spec compiles once (`decoding/grammar.Grammars`, built at the first such request)."""
+        spec = getattr(params, "structured_outputs", None)
+        if spec is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need the model's tokenizer: build the engine with one")
+            from ..decoding.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars.start(spec)
 
     def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
         """Give tenant `name` a weight in the fair share of the pool (scheduling_policy="fair") and

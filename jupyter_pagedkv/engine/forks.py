@@ -24,6 +24,8 @@ def fork_samples(req: Request, seq: Sequence, scheduler: Scheduler) -> list[Sequ
                          num_cached_tokens=seq.num_cached_tokens,
                          block_hashes=list(seq.block_hashes), extra_key=seq.extra_key, tenant=seq.tenant)
         child.sample_index = i
+        if seq.grammar is not None:   # the samples part here: each gets its own parse state
+            child.grammar = seq.grammar.fork()
         if seq.params.seed is not None:
             # Sample i of seed s is reproducible on its own, whatever else runs.
             child.generator = torch.Generator(device=seq.generator.device).manual_seed(

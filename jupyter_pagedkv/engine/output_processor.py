@@ -49,6 +49,9 @@ class OutputProcessor:
         """Append one sampled token (with its logprobs, when asked) and finish the sequence if a
         stop rule says so."""
         seq.token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            raise ValueError(f"token {token} breaks the request's structured_outputs grammar (the mask "
+                             f"allowed no token: does min_tokens forbid the end it reached?)")
         if logprobs is not None:
             req.logprobs.setdefault(seq.sample_index, []).append(as_position(logprobs, self.decode_token))
         if req.metrics.first_token_time is None:
@@ -68,6 +71,8 @@ class OutputProcessor:
                     end = at + len(s) if params.include_stop_str_in_output else at
                     reason, seq.stop_reason, seq.text = "stop", s, text[:end]
                     break
+        if reason is None and seq.grammar is not None and seq.grammar.terminated:
+            reason = "stop"   # the grammar is complete (it accepted a stop token, even under ignore_eos)
         if reason is None and (seq.num_output_tokens >= params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"

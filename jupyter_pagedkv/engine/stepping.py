@@ -107,8 +107,9 @@ class Stepping:
         self.counters.record_step(now, num_tokens, t1 - t0, self.runner.last_forward_s, by_tenant)
         if record is not None:
             self.trace.append(dataclasses.replace(record, duration_s=t1 - t0))
+        mask_s = self.sampler.grammar_mask.take_seconds()   # this step's grammar masks
         if self.step_timings is not None:
-            self._time_step(sched, t0, t_launched, now, t1)
+            self._time_step(sched, t0, t_launched, now, t1, mask_s)
         for listener in self._step_listeners:
             listener()
         return outputs
@@ -217,13 +218,14 @@ class Stepping:
             self._guard(req, add_prompt_logprobs, req, c, found[g], self.outputs.decode_token)
         return {seq.seq_id: found[g] for seq, g in groups}
 
-    def _time_step(self, sched: SchedulerOutput, t0: float, launched: float, now: float, t1: float) -> None:
+    def _time_step(self, sched: SchedulerOutput, t0: float, launched: float, now: float, t1: float,
+                   mask_s: float) -> None:
         r = self.runner
         started = launched - r.last_forward_s - r.last_prepare_s
         self.step_timings.append(StepTiming(
             len(sched.chunks), sched.num_tokens, sum(c.num_tokens == 1 for c in sched.chunks),
             started - t0, r.last_prepare_s, r.last_forward_s, r.clock.device_seconds(),
-            now - launched, t1 - now, t1 - t0, r.last_h2d_copies))
+            now - launched, t1 - now, t1 - t0, r.last_h2d_copies, mask_s))
 
     # -- failures ---------------------------------------------------------------------------------
     def _fail(self, reqs: list[Request | None], err: BaseException) -> None:

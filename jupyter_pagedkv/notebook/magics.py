@@ -5,6 +5,7 @@ show them all. A user mistake is one UsageError line that says what to do, never
 """
 from __future__ import annotations
 
+import logging
 import shlex
 import subprocess
 import sys
@@ -17,13 +18,15 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..config import EngineConfig, changed_flags, format_bytes, from_arguments
 from .session import NO_ENGINE, KernelSession, current
 from .markdown import MarkdownRenderer, markdown_bundle
-from .options import (SESSION_NAME, generate_params, interpolate, load_arguments, parse_connect, parse_line,
-                      sampling_arguments, sampling_params, split_prompts)
+from .options import (SESSION_NAME, generate_params, interpolate, kept_output, load_arguments, parse_connect,
+                      parse_line, sampling_arguments, sampling_params, split_prompts)
 from .tenants import set_tenant_line, tenants_table
 from .text_views import block_map, requests_table
 from .logprob_view import LogprobsView
 from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
                         Renderer, WidgetRenderer)
+
+logger = logging.getLogger(__name__)
 
 COMMANDS = ("load", "unload", "status", "requests", "tenants", "reset-cache", "monitor", "bench", "plan", "help")
 HELP = """\
@@ -248,7 +251,7 @@ class PagedKVMagics(Magics):
         """Generate from the cell's text (several prompts, separated by `---` lines, run concurrently)."""
         args = parse_line(self.generate, line)
         engine = self.session.require_engine()
-        params = generate_params(args)
+        params = generate_params(args, self.shell.user_ns)
         if args.speculative is not None:
             try:
                 params.speculative = engine.add_drafter(args.speculative)
@@ -275,7 +278,7 @@ class PagedKVMagics(Magics):
         outputs = self._run_cell(run, prompts, params, "generate", args.no_stream, args.format)
         self._show_logprobs(args, outputs)
         if args.out:
-            self.shell.user_ns[args.out] = outputs[0] if len(outputs) == 1 else outputs
+            self.shell.user_ns[args.out] = kept_output(outputs, params)
 
     # -- %%chat -----------------------------------------------------------------------------------
     @magic_arguments()
@@ -307,7 +310,7 @@ class PagedKVMagics(Magics):
         engine = self.session.require_engine()
         if not engine.has_chat_template:
             raise UsageError("this model's tokenizer has no chat template: use %%generate --raw")
-        params = sampling_params(args)
+        params = sampling_params(args, self.shell.user_ns)
         chat = self.session.chat(name)
         if args.tenant is not None:
             if chat.num_turns and args.tenant != chat.tenant:
@@ -323,7 +326,7 @@ class PagedKVMagics(Magics):
         self._show_logprobs(args, outputs)
         chat.record(message, outputs[0])
         if args.out:
-            self.shell.user_ns[args.out] = outputs[0]
+            self.shell.user_ns[args.out] = kept_output(outputs, params)
 
     # -- shared -----------------------------------------------------------------------------------
     def _in_kernel(self) -> bool:
@@ -390,7 +393,11 @@ class PagedKVMagics(Magics):
 
         def on_done(outputs):
             if out_var:
-                ns[out_var] = outputs[0] if len(outputs) == 1 else outputs
+                try:
+                    ns[out_var] = kept_output(outputs, params)
+                except UsageError as err:   # no cell to raise in: keep the outputs, say why
+                    ns[out_var] = outputs[0] if len(outputs) == 1 else outputs
+                    logger.warning("%s: %s; %s holds the RequestOutput instead", title, err, out_var)
 
         job = BackgroundJob(run, title, on_done)
         renderer: Renderer

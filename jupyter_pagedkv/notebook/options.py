@@ -99,9 +99,11 @@ def load_arguments(f: Callable) -> Callable:
     return f
 
 
-# The logits-processor options beside their "off" values: beam search takes none of them.
+# The logits-processor and structured-output options beside their "off" values: beam search
+# takes none of them.
 PROCESSOR_DEFAULTS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                      "frequency_penalty": 0.0, "min_tokens": 0, "bad_word": None}
+                      "frequency_penalty": 0.0, "min_tokens": 0, "bad_word": None, "logit_bias": None,
+                      "allowed_token_ids": None, "json_schema": None, "regex": None, "choice": None}
 
 
 def sampling_arguments(f: Callable) -> Callable:
@@ -123,6 +125,15 @@ def sampling_arguments(f: Callable) -> Callable:
         argument("--min-tokens", type=int, default=0, help="no EOS or stop token before N new tokens"),
         argument("--bad-word", action="append", default=None, metavar="W",
                  help="never generate the word W (repeatable)"),
+        argument("--logit-bias", default=None, metavar="ID=B,...",
+                 help="add B to token ID's logit, e.g. 7=-5,42=2.5 (-100 bans, 100 forces)"),
+        argument("--allowed-token-ids", default=None, metavar="ID,...",
+                 help="generate only these token ids, e.g. 3,17,42"),
+        argument("--json-schema", default=None, metavar="VAR",
+                 help="the answer follows the JSON schema in variable VAR (a dict, or a pydantic model "
+                      "class: --out then holds a validated instance)"),
+        argument("--regex", default=None, metavar="RE", help="the answer matches the regular expression RE"),
+        argument("--choice", default=None, metavar="A,B,...", help="the answer is exactly one of A, B, ..."),
         argument("--include-stop-str", action="store_true", help="keep the --stop text at the end of the answer"),
         argument("--keep-special-tokens", action="store_true",
                  help="show special tokens (such as EOS) in the answer's text"),
@@ -161,11 +172,74 @@ def _flagged(err: ValueError) -> UsageError:
     return UsageError(text)
 
 
-def sampling_params(args):
-    """The SamplingParams of a %%generate / %%chat line (its --n included, when it has one)."""
+def _token_ids(flag: str, text: str) -> list[str]:
+    """The comma-separated items of `--flag a,b`; an empty item is one UsageError line."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise UsageError(f"{flag} {text!r}: an empty item between commas (write e.g. {flag} 3,17,42)")
+    return items
+
+
+def logit_bias(text: str | None) -> dict[int, float] | None:
+    """`--logit-bias 7=-5,42=2.5` as {7: -5.0, 42: 2.5}."""
+    if text is None:
+        return None
+    bias = {}
+    for item in _token_ids("--logit-bias", text):
+        tok, _, value = item.partition("=")
+        try:
+            bias[int(tok)] = float(value)
+        except ValueError:
+            raise UsageError(f"--logit-bias item {item!r}: write TOKEN_ID=BIAS, e.g. --logit-bias 7=-5,42=2.5") from None
+    return bias
+
+
+def allowed_token_ids(text: str | None) -> list[int] | None:
+    """`--allowed-token-ids 3,17,42` as [3, 17, 42]."""
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in _token_ids("--allowed-token-ids", text)]
+    except ValueError:
+        raise UsageError(f"--allowed-token-ids {text!r}: write token ids separated by commas, e.g. 3,17,42") from None
+
+
+def structured_outputs(args, namespace: dict[str, Any]):
+    """StructuredOutputsParams from --json-schema VAR (looked up in the notebook), --regex or
+    --choice; None without any. Two at once, or an unusable VAR, is one UsageError line."""
+    from ..core.structured_outputs import StructuredOutputsParams, is_model_class
+    given = [flag for flag, v in (("--json-schema", args.json_schema), ("--regex", args.regex),
+                                  ("--choice", args.choice)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} cannot be combined: the answer follows one structure")
+    try:
+        if args.regex is not None:
+            return StructuredOutputsParams(regex=unescape(args.regex))
+        if args.choice is not None:
+            return StructuredOutputsParams(choice=[c.strip() for c in args.choice.split(",")])
+        name = args.json_schema
+        if name not in namespace:
+            raise UsageError(f"--json-schema {name}: {name!r} is not defined: define a JSON-schema dict or a "
+                             f"pydantic model class with that name first")
+        schema = namespace[name]
+        if not (isinstance(schema, (dict, str)) or is_model_class(schema)):
+            raise UsageError(f"--json-schema {name}: {name} is a {type(schema).__name__}; it must be a "
+                             f"JSON-schema dict or a pydantic model class")
+        return StructuredOutputsParams(json=schema)
+    except ValueError as err:
+        raise UsageError(str(err).replace("structured_outputs.choice", "--choice")
+                         .replace("structured_outputs.regex", "--regex")) from None
+
+
+def sampling_params(args, namespace: dict[str, Any] | None = None):
+    """The SamplingParams of a %%generate / %%chat line (its --n included, when it has one);
+    `namespace` is where --json-schema VAR is looked up (the notebook's variables)."""
     from ..core.sampling_params import SamplingParams
     if args.out is not None and not args.out.isidentifier():
         raise UsageError(f"--out {args.out!r} is not a valid variable name")
+    spec = structured_outputs(args, namespace or {})
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -175,16 +249,19 @@ def sampling_params(args):
                               min_tokens=args.min_tokens, bad_words=args.bad_word,
                               include_stop_str_in_output=args.include_stop_str,
                               skip_special_tokens=not args.keep_special_tokens,
-                              logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+                              logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                              logit_bias=logit_bias(args.logit_bias),
+                              allowed_token_ids=allowed_token_ids(args.allowed_token_ids),
+                              structured_outputs=spec)
     except ValueError as err:
         raise _flagged(err) from None
 
 
-def generate_params(args):
+def generate_params(args, namespace: dict[str, Any] | None = None):
     """What a %%generate line asks for: SamplingParams, or BeamSearchParams with --beams. Limits
     that need the engine (n and beams against max_num_seqs, the context, the pool) are checked
     when the cell's requests are added."""
-    params = sampling_params(args)
+    params = sampling_params(args, namespace)
     return beam_params(args) if args.beams is not None else params
 
 
@@ -209,3 +286,23 @@ def beam_params(args):
         return BeamSearchParams(beam_width=args.beams, max_tokens=args.max_tokens)
     except ValueError as err:
         raise _flagged(err) from None
+
+
+def kept_output(outputs: list, params) -> Any:
+    """What `--out VAR` holds: the RequestOutput (a list for several prompts), or with
+    `--json-schema` naming a pydantic class, the validated instance(s) of the answers (a list for
+    several prompts or samples). An answer that does not validate is one UsageError line."""
+    spec = getattr(params, "structured_outputs", None)
+    from ..core.structured_outputs import is_model_class
+    if spec is None or not is_model_class(spec.json):
+        return outputs[0] if len(outputs) == 1 else outputs
+    instances = []
+    for out in outputs:
+        for c in out.outputs:
+            try:
+                instances.append(spec.json.model_validate_json(c.text))
+            except ValueError as err:
+                hint = " (raise --max-tokens)" if c.finish_reason == "length" else ""
+                raise UsageError(f"the answer is not a valid {spec.json.__name__}: finish reason "
+                                 f"{c.finish_reason!r}{hint}; {str(err).splitlines()[0]}") from None
+    return instances[0] if len(instances) == 1 else instances

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.sampling_params import SamplingParams
+from ..core.structured_outputs import StructuredOutputsParams
 
 
 def openai_fields(params: SamplingParams) -> dict[str, Any]:
@@ -28,5 +29,16 @@ def vllm_fields(params: SamplingParams) -> dict[str, Any]:
               ("allowed_token_ids", params.allowed_token_ids, None), ("bad_words", params.bad_words, None),
               ("include_stop_str_in_output", params.include_stop_str_in_output, False),
               ("skip_special_tokens", params.skip_special_tokens, True))
-    return {name: list(value) if isinstance(value, (list, tuple)) else value
+    body = {name: list(value) if isinstance(value, (list, tuple)) else value
             for name, value, default in fields if value != default}
+    if params.structured_outputs is not None:
+        body["structured_outputs"] = structured_outputs_field(params.structured_outputs)
+    return body
+
+
+def structured_outputs_field(spec: StructuredOutputsParams) -> dict[str, Any]:
+    """vLLM's `structured_outputs` object (its server's name since `guided_*` were removed): the
+    one kind given, a pydantic class sent as its JSON schema."""
+    kind = spec.kind
+    value = spec.schema() if kind == "json" else getattr(spec, kind)
+    return {kind: list(value) if kind == "choice" else value}

@@ -43,6 +43,7 @@ class DraftContext:
     params: SamplingParams
     token_ids: list[int]
     prompt_len: int
+    grammar: object = None   # the position's grammar mask row (decoding/grammar.FixedMask), if any
 
 
 def apply_processors(logits: torch.Tensor, rows: list[Context], eos_token_ids: set[int] | frozenset[int]

@@ -19,6 +19,8 @@ per-row multinomial sampler (checked on torch 2.13); unseeded rows now share one
 Before any of this, the requests' logits processors (penalties, logit_bias, bad words,
 allowed_token_ids, min_tokens: `logits_processors.py`) change the rows that have any, greedy rows
 included; a batch in which no row has one skips them at the cost of one Python check per row.
+Before those, the structured outputs' grammar mask (`grammar_mask.py`) sets what a row's grammar
+forbids to -inf.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import math
 import torch
 
 from ..core.sequence import Sequence
+from .grammar_mask import GrammarMask
 from .logits_processors import apply_processors
 from .upload import upload
 
@@ -37,6 +40,7 @@ class Sampler:
         self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids   # what min_tokens masks besides stop_token_ids
         self.generator = torch.Generator(device=self.device)
+        self.grammar_mask = GrammarMask()
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
@@ -56,8 +60,9 @@ class Sampler:
         return tokens.tolist()
 
     def process(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
-        """The rows' logits processors applied (the same tensor when no row has any)."""
-        return apply_processors(logits, rows, self.eos_token_ids)
+        """The rows' grammar masks, then their logits processors, applied (the same tensor when no
+        row has any)."""
+        return apply_processors(self.grammar_mask(logits, rows), rows, self.eos_token_ids)
 
     def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """E ~ Exp(1) per entry: all rows from the engine's generator in one call, then each

@@ -26,6 +26,7 @@ class StepTiming:
     sample_s: float             # sampling, appending tokens, stop rules, outputs
     total_s: float
     h2d_copies: int | None = None   # host -> device copies of step inputs (Triton path; None: not counted)
+    mask_s: float = 0.0         # of sample_s: structured outputs' grammar masks (filled and applied)
 
 
 class ForwardClock:
@@ -61,7 +62,7 @@ def summarize(timings: list[StepTiming], min_decode: int = 1) -> dict:
     if not steps:
         return {"steps": 0}
     med = {k: statistics.median(getattr(t, k) for t in steps)
-           for k in ("schedule_s", "prepare_s", "launch_s", "wait_s", "sample_s", "total_s")}
+           for k in ("schedule_s", "prepare_s", "launch_s", "wait_s", "sample_s", "mask_s", "total_s")}
     device = [t.device_s for t in steps if t.device_s is not None]
     out = {"steps": len(steps), "median_batch": statistics.median(t.num_seqs for t in steps), **med}
     copies = [t.h2d_copies for t in steps if t.h2d_copies is not None]

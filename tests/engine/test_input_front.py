@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from conftest import tiny_model
-from jupyter_pagedkv import BeamSearchParams, Engine, SamplingParams
+from jupyter_pagedkv import BeamSearchParams, Engine, SamplingParams, StructuredOutputsParams
 from jupyter_pagedkv.bench.models import byte_tokenizer
 from jupyter_pagedkv.config import EngineConfig, from_arguments
 from jupyter_pagedkv.notebook.magics import PagedKVMagics
@@ -147,7 +147,10 @@ GOOD_VALUES = {"max_tokens": [3], "temperature": [0.0, 0.8], "top_p": [0.5], "to
                "min_p": [0.1], "repetition_penalty": [1.2], "presence_penalty": [0.5],
                "frequency_penalty": [-0.5], "min_tokens": [1], "logit_bias": [{5: 1.5}],
                "allowed_token_ids": [[5, 6, 7]], "bad_words": [["x"], [[5, 6]]],
-               "include_stop_str_in_output": [True], "skip_special_tokens": [False]}
+               "include_stop_str_in_output": [True], "skip_special_tokens": [False],
+               # structured outputs (decoding/grammar.py): letters the byte tokenizer has as tokens
+               "structured_outputs": [StructuredOutputsParams(choice=["ab", "c"]),
+                                      StructuredOutputsParams(regex="[a-c]{1,2}")]}
 # (a speculative text other than 'ngram' names a draft model to load: not tried here)
 FIELD_VALUES = [(name, v) for name in sorted(GOOD_VALUES) for v in BAD_VALUES + GOOD_VALUES[name]
                 if not (name == "speculative" and isinstance(v, str) and v.strip() and v != "ngram")]

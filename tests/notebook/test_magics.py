@@ -270,10 +270,53 @@ def test_logprobs_are_shown_shaded_and_kept_with_out(ip, capsys):
     ("--out 2x", "not a valid variable name"),
     ("--max-tokens many", "invalid int value"),
     ("--system 'unclosed", "cannot read the options: No closing quotation"),
+    ("--json-schema nothing_here", "'nothing_here' is not defined"),
+    ("--json-schema In", "In is a list; it must be a JSON-schema dict or a pydantic model class"),
+    ("--regex 'a(b'", "structured_outputs.regex was refused by xgrammar: .*parenthesis"),
+    ("--choice a, ", "--choice must be a non-empty list of non-empty strings"),
+    ("--regex a --choice a,b", "--regex and --choice cannot be combined"),
+    ("--beams 2 --choice a,b", "--beams is deterministic .* --choice: drop it"),
+    ("--logit-bias 7", "--logit-bias item '7': write TOKEN_ID=BIAS"),
+    ("--allowed-token-ids 1,,2", "--allowed-token-ids '1,,2': an empty item"),
+    ("--allowed-token-ids 99999999", r"allowed_token_ids: token ids \[99999999\] are not in the vocabulary"),
 ])
 def test_bad_generate_options_are_one_usage_error(ip, option, message):
     with pytest.raises(UsageError, match=message):
         run(ip, f"%%generate {option}\nhello")
+
+
+def test_a_json_schema_class_fills_out_with_a_validated_instance(ip):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str
+        country: Literal["France", "Italy", "Spain"]
+        population_millions: int = Field(ge=0, le=99)   # unbounded, the 135M model writes 1111...
+
+    ip.user_ns["City"] = City
+    run(ip, "%%generate --max-tokens 48 --json-schema City --out city\nGive Paris as JSON.")
+    assert isinstance(ip.user_ns["city"], City)
+    ip.user_ns["city_schema"] = City.model_json_schema()
+    run(ip, "%%generate --max-tokens 48 --json-schema city_schema --out raw\nGive Rome as JSON.")
+    assert City.model_validate_json(ip.user_ns["raw"].text) and ip.user_ns["raw"].finish_reason == "stop"
+
+
+def test_regex_choice_logit_bias_and_allowed_ids_reach_the_request(ip):
+    run(ip, "%%generate --max-tokens 8 --choice yes,no --out yn\nIs Paris in France?")
+    assert ip.user_ns["yn"].text in ("yes", "no") and ip.user_ns["yn"].finish_reason == "stop"
+    # (IPython expands {...} in a magic line: a regex writes [0-9]{{4}} there, or repeats itself)
+    run(ip, "%%generate --max-tokens 12 --regex '[0-9][0-9][0-9][0-9]' --out year\nWhen did the Berlin wall fall?")
+    assert len(ip.user_ns["year"].text) == 4 and ip.user_ns["year"].text.isdigit()
+    tok = current().engine.tokenizer
+    allowed = tok(" banana apple", add_special_tokens=False).input_ids
+    run(ip, f"%%generate --max-tokens 4 --allowed-token-ids {','.join(map(str, allowed))} --out a\nFruit:")
+    assert set(ip.user_ns["a"].outputs[0].token_ids) <= set(allowed)
+    run(ip, "%%generate --max-tokens 6 --raw --out plain\nThe capital of France is")
+    first = ip.user_ns["plain"].outputs[0].token_ids[0]
+    run(ip, f"%%generate --max-tokens 6 --raw --logit-bias {first}=-100 --out biased\nThe capital of France is")
+    assert first not in ip.user_ns["biased"].outputs[0].token_ids
 
 
 def test_n_samples_all_appear_and_are_stored(ip, capsys):

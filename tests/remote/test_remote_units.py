@@ -224,3 +224,23 @@ def test_processor_parameters_travel_under_vllms_names(fake):
     assert not {"repetition_penalty", "min_tokens", "bad_words", "logit_bias"} & set(handler.bodies[-1])
     with pytest.raises(ValueError, match="bad_words as text only"):
         client.add_request("ok", SamplingParams(bad_words=[[3, 4]]))
+
+
+def test_structured_outputs_travel_as_vllms_structured_outputs_object(fake):
+    from pydantic import BaseModel
+
+    from jupyter_pagedkv import StructuredOutputsParams
+
+    class City(BaseModel):
+        name: str
+
+    handler, url = fake
+    client = Engine.connect(url + "/v1")
+    for spec, sent in ((StructuredOutputsParams(json=City), {"json": City.model_json_schema()}),
+                       (StructuredOutputsParams(choice=("a", "b")), {"choice": ["a", "b"]}),
+                       (StructuredOutputsParams(regex="[0-9]+"), {"regex": "[0-9]+"}),
+                       (StructuredOutputsParams(grammar='root ::= "x"'), {"grammar": 'root ::= "x"'})):
+        client.generate("ok", SamplingParams(max_tokens=2, structured_outputs=spec))
+        assert handler.bodies[-1]["structured_outputs"] == sent
+    client.generate("ok", SamplingParams(max_tokens=2))
+    assert "structured_outputs" not in handler.bodies[-1]
