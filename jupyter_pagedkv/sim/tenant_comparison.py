@@ -13,17 +13,10 @@ from .tail_sweep import style_panels
 from .tenant_workload import (NOISY, QUIET, SHARED, BlockSeries, TenantMix, block_series, blocks_by_owner,
                               noisy_neighbour, tenant_figures)
 
-
 POLICIES = ("fcfs", "fair")
-
-
 POLICY_COLOURS = {"fcfs": "#D55E00", "fair": "#0072B2"}     # Okabe-Ito vermillion and blue
-
-
 TENANT_COLOURS = {QUIET: "#009E73", NOISY: "#E69F00"}       # Okabe-Ito green and orange
-
-
-RATIO_TARGET_SIM = 1 / 3
+RATIO_TARGET_SIM = 1 / 3      # the quiet tenant's TTFT tail under fair share / under FCFS, simulated
 
 
 @dataclass
