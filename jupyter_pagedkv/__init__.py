@@ -5,17 +5,14 @@ Importing the package is cheap: torch and transformers load only when an engine 
 The package is layered (docs/design.md): `core` (blocks, tables, scheduler, gauges) < `worker`
 (model runner, attention, KV tensors) < `decoding` (speculative, beams) < `engine`; above them,
 `monitor`, `widgets`, `remote`, `notebook`, `sim` and `bench` use an engine only through
-`protocol.EngineClient`. This module is the composition root: it names the public API and plugs
+`protocol.EngineClient`; `testing` (models built in code, the oracle) and `gpucheck` serve the tests
+and the GPU check. This module is the composition root: it names the public API and plugs
 the views that live above the engine into it (`Engine.monitor()`, `Engine.connect()`), so the
 engine itself never imports them.
 """
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
 from typing import TYPE_CHECKING
 
 from .core.sampling_params import BeamSearchParams, SamplingParams
@@ -78,44 +75,3 @@ def _connect(url, **kwargs):
 _extensions.register("monitor_feed", _monitor_feed)
 _extensions.register("monitor", _monitor)
 _extensions.register("connect", _connect)
-
-
-# -- modules that moved when the package got its subpackages: the old paths keep working -------
-MOVED = {
-    "block_pool": "core.block_pool", "block_table": "core.block_table", "sequence": "core.sequence",
-    "scheduler": "core.scheduler", "contiguous": "core.contiguous", "swap_space": "core.swap_space",
-    "sampling_params": "core.sampling_params", "model_runner": "worker.model_runner",
-    "kv_cache": "worker.kv_cache", "attention": "worker.attention", "packed_linear": "worker.packed_linear",
-    "sampler": "worker.sampler", "loader": "worker.loader", "kernels_bridge": "worker.kernels_bridge",
-    "speculative": "decoding.speculative", "drafters": "decoding.drafters",
-    "verification": "decoding.verification", "beam_search": "decoding.beam_search",
-    "outputs": "engine.outputs", "remote": "remote.client", "server_metrics": "remote.server_metrics",
-    "kv_events": "remote.kv_events", "peer_server": "remote.peer_server",
-    "monitor_feed": "monitor.feed", "monitor_channel": "monitor.channel", "magics": "notebook.magics",
-    "session": "notebook.session", "streaming": "notebook.streaming", "text_views": "notebook.text_views",
-    "demo": "notebook.demo", "plan": "sim.plan",
-}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """`import jupyter_pagedkv.block_pool` yields `jupyter_pagedkv.core.block_pool` itself (the
-    same module object, not a copy), with a DeprecationWarning naming the new path."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        prefix, _, name = fullname.rpartition(".")
-        if prefix == __name__ and name in MOVED:
-            return importlib.util.spec_from_loader(fullname, self)
-        return None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module) -> None:
-        new = f"{__name__}.{MOVED[module.__name__.rpartition('.')[2]]}"
-        warnings.warn(f"{module.__name__} moved to {new}", DeprecationWarning, stacklevel=2)
-        # The import system returns whatever sys.modules holds under the name once this returns.
-        sys.modules[module.__name__] = importlib.import_module(new)
-
-
-if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
-    sys.meta_path.append(_MovedModules())

@@ -12,10 +12,16 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Self, Sequence, 
 
 from .core.sampling_params import SamplingParams
 from .core.stats import EngineStats
+from .engine.block_tables import SeqBlocks
 from .engine.outputs import EngineInfo, Observation, RequestOutput, RequestRow, StreamDelta
 
-__all__ = ["EngineClient", "EngineInfo", "EngineStats", "Observation", "RequestOutput", "RequestRow",
-           "StepObserver", "StreamDelta"]
+__all__ = ["EngineClient", "EngineInfo", "EngineStats", "EngineUnavailable", "Observation", "RequestOutput",
+           "RequestRow", "SeqBlocks", "StepObserver", "StreamDelta"]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine could not serve (a network or server failure, not the caller's mistake); its
+    message is one line that says what to do, so a front end shows it without a traceback."""
 
 
 @runtime_checkable
@@ -53,6 +59,10 @@ class EngineClient(Protocol):
     def chat_prompt(self, messages: list[dict], previous: list[int] | None = None) -> tuple[Any, bool]:
         """The next prompt of a conversation and whether it extends `previous` (cache reuse)."""
 
+    def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
+        """Tenant `name`'s weight in the fair share and its cap on blocks; ValueError, one line,
+        for a bad spec or an engine that does not take them (a server applies its own policy)."""
+
     def add_drafter(self, speculative: Any) -> str:
         """Register a drafter for speculative decoding (ValueError where it cannot run)."""
 
@@ -75,6 +85,10 @@ class EngineClient(Protocol):
         """Gauges plus the blocks changed since the last observation, in one consistent look."""
 
     def request_rows(self, finished: int = 20) -> list[RequestRow]: ...
+
+    def block_tables(self) -> list[SeqBlocks]:
+        """Every live sequence's block table, copied in one look (ValueError where the engine
+        cannot report them: a server shows only its pool)."""
 
     def check_invariants(self) -> None: ...
 

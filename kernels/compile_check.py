@@ -42,7 +42,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class Model:
-    """A model as the kernels see it (bench/models.py and the README name these)."""
+    """A model as the kernels see it (jupyter_pagedkv/testing/models.py and the README name these)."""
     name: str
     heads: int
     kv_heads: int
@@ -58,7 +58,7 @@ class Model:
 
 
 ALL_DTYPES = tuple(DTYPES)
-# The models "variants per model" is printed for (the shapes in bench/models.py; Mistral-7B's window).
+# The models "variants per model" is printed for (the shapes in jupyter_pagedkv/testing/models.py; Mistral-7B's window).
 NAMED = (Model("SmolLM2-135M", 9, 3, 64, None, 8192),
          Model("Llama-3-8B", 32, 8, 128, None, 8192),
          Model("Mistral-7B (window 4096)", 32, 8, 128, 4096, 32768))

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-from jupyter_pagedkv.bench.models import attention, compare_with_oracle, hf_greedy, tiny_model  # noqa: E402,F401
+from jupyter_pagedkv.testing.models import attention, compare_with_oracle, hf_greedy, tiny_model  # noqa: E402,F401
 
 # Property tests draw the same examples on every run and machine (a failure replays as is).
 from hypothesis import settings as _hypothesis_settings  # noqa: E402

@@ -6,15 +6,14 @@ quoted engine summary matches the format the code prints today (a tail over fewe
 requests is "max", never "p99"). New options pass by themselves: nothing here lists them."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import re
 from dataclasses import MISSING, dataclass, fields
 
 import pytest
 
 from docs_text import Page, pages
+from package_command import run_command
 
 MAGIC = re.compile(r"(%%generate|%%chat|%chat|%pagedkv)(?![\w?])(.*)")
 BENCH = re.compile(r"python -m jupyter_pagedkv\.bench(?:\s+([a-z][\w-]*))?(.*)")
@@ -80,15 +79,8 @@ def option_strings(parser) -> set[str]:
 
 @functools.lru_cache(maxsize=None)
 def bench_help(name: str) -> str | None:
-    """`python -m jupyter_pagedkv.bench NAME --help` run in this process; None for an unknown NAME."""
-    from jupyter_pagedkv.bench.__main__ import main
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            code = main([name, "--help"])
-        except SystemExit as stop:
-            code = stop.code
-    text = out.getvalue()
+    """`python -m jupyter_pagedkv bench NAME --help` run in this process; None for an unknown NAME."""
+    code, text = run_command(["bench", name, "--help"])
     return None if f"unknown benchmark {name!r}" in text or (code == 2 and "usage" not in text) else text
 
 

@@ -32,13 +32,13 @@ def main(argv: list[str]) -> int:
     elif name == "structured":
         from .structured import main as run
     elif name == "soak":
-        from .soak import main as run
+        from ..testing.soak import main as run
     elif name == "architectures":
-        from .architectures import main as run
+        from ..gpucheck.architectures import main as run
     elif name == "dtypes":
         from .dtypes import main as run
     elif name == "gpu":
-        from .gpu import main as run
+        from ..gpucheck.driver import main as run
     elif name == "compile":
         from jupyter_pagedkv.worker.kernels_bridge import kernel_module
         run = kernel_module("compile_check").main

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .gpu_parts import cpu_isa
+from ..gpucheck.report import cpu_isa
 from .throughput import run_ours
 
 

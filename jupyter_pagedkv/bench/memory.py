@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:                                  # the child process: one measurement, as JSON
         print(json.dumps(measure(args.one[0], CONFIGS[args.one[1]])))
         return 0
-    from .gpu_parts import cpu_isa
+    from ..gpucheck.report import cpu_isa
 
     print(f"CPU: {cpu_isa()}; resident memory (anonymous + file-backed) above the level before "
           f"loading, MiB; each row a fresh process; KV cache 64 MiB")

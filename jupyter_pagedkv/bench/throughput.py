@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from . import throughput_report as report
-from .hf_peers import hf_continuous, hf_padded, hf_single
+from ..testing.peers import hf_continuous, hf_padded, hf_single
 from ..sim.workload import chat_requests
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import statistics
 from typing import Any
 
 from ..worker import loader
-from .gpu_parts import cpu_isa
+from ..gpucheck.report import cpu_isa
 
 ALL_DTYPES = ("float32", "bfloat16")
 

@@ -11,6 +11,7 @@ from ..config import format_bytes
 from ..core.invariants import check_invariants
 from ..core.stats import EngineStats, engine_stats, pool_snapshot
 from . import extensions
+from .block_tables import SeqBlocks, block_tables
 from .outputs import EngineInfo, Observation, QueueHead, RequestRow
 from .request import Request
 
@@ -68,6 +69,11 @@ class EngineInspection:
             return ([row(r, r.seqs[0].status.value) for r in self._requests.values()]
                     + [row(r, "failed" if r.error is not None else "done")
                        for r in (list(self.finished_requests)[-finished:] if finished > 0 else [])])
+
+    def block_tables(self) -> list[SeqBlocks]:
+        """Every live sequence's block table (oldest request first), copied in one look."""
+        with self._lock:
+            return block_tables(self._requests.values())
 
     def queue_head(self) -> QueueHead | None:
         """The waiting request admission tries next (None if none waits), what it needs, and how

@@ -16,6 +16,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..config import EngineConfig, changed_flags, format_bytes, from_arguments
+from ..protocol import EngineUnavailable
 from .session import NO_ENGINE, KernelSession, current
 from .markdown import MarkdownRenderer, markdown_bundle
 from .options import (SESSION_NAME, generate_params, interpolate, kept_output, load_arguments, parse_connect,
@@ -182,14 +183,13 @@ class PagedKVMagics(Magics):
 
     def _connect(self, rest: str) -> None:
         """Hand the magics a server client; the local engine stays loaded for `disconnect`."""
-        from ..remote.client import RemoteError
         args = parse_connect(rest)
         try:
             client = self.session.connect(args.url, api_key=args.api_key, api_key_env=args.api_key_env,
                                           model=args.model,
                                           timeout=args.timeout, kv_events=args.kv_events,
                                           kv_events_topic=args.kv_events_topic)
-        except (RemoteError, ValueError) as err:
+        except (EngineUnavailable, ValueError) as err:
             raise UsageError(f"cannot connect: {err}") from None
         local = self.session.local_engine
         print(f"connected to {client.name}" + (f" (vLLM {client.version})" if client.version else "")
@@ -381,7 +381,7 @@ class PagedKVMagics(Magics):
         """An abort we did not ask for is an engine failure: show it, it is not the user's mistake."""
         for panel in run.panels:
             if panel.error is not None:
-                if type(panel.error).__name__ == "RemoteError":   # network/server trouble: one line
+                if isinstance(panel.error, EngineUnavailable):   # network/server trouble: one line
                     raise UsageError(str(panel.error))
                 raise panel.error
 

@@ -46,9 +46,6 @@ def set_tenant_line(engine, line: str) -> str:
         args = tenant_parser().parse_args(shlex.split(line))
     except SystemExit:
         raise ValueError(USAGE) from None
-    if not hasattr(engine, "set_tenant"):
-        raise ValueError("this engine has no tenant weights or caps (a server applies its own policy): "
-                         "use the kernel's engine (%pagedkv disconnect)")
     engine.set_tenant(args.name, weight=args.weight, max_blocks=args.max_blocks)
     stats = engine.stats()
     t = stats.tenants[args.name]

@@ -1,8 +1,10 @@
 """Errors of the server client."""
 from __future__ import annotations
 
+from ..protocol import EngineUnavailable
 
-class RemoteError(RuntimeError):
+
+class RemoteError(EngineUnavailable):
     """A server-side or network failure, worded as one line that says what to do."""
 
 

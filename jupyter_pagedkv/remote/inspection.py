@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..core.stats import latency_percentiles
 from ..engine.outputs import EngineInfo, Observation, RequestRow
-from .errors import RemoteError
+from .errors import RemoteError, UnsupportedByServer
 from .server_metrics import (FINISHED, GENERATED, KV_USAGE, PREEMPTIONS, PREFIX_HITS, PREFIX_QUERIES,
                              RUNNING, WAITING, RemoteStats, ServerMetrics, parse_prometheus)
 
@@ -157,6 +157,14 @@ class RemoteInspection:
             return ([row(r, "running") for r in self._requests.values()]
                     + [row(r, "failed" if r.error is not None else "done")
                        for r in (list(self.finished_requests)[-finished:] if finished > 0 else [])])
+
+    def block_tables(self) -> list:
+        raise UnsupportedByServer(f"{self.url} reports its pool (KV events), not its block tables: read "
+                                  "block tables on the kernel's engine (%pagedkv disconnect)")
+
+    def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
+        raise UnsupportedByServer(f"{self.url} takes no tenant weights or caps (a server applies its own "
+                                  "policy): use the kernel's engine (%pagedkv disconnect)")
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """A server sends no step events: monitors poll (`info().polled`)."""

@@ -29,6 +29,8 @@ from typing import Any
 
 from ..protocol import StepObserver
 
+FINISHED_KEPT = 1000                # the finished requests an engine keeps (`request_rows`)
+
 CATEGORIES = ("stored", "reservation", "internal", "external", "free")
 
 
@@ -97,14 +99,16 @@ class _SeqSample:
 class WasteMeter(StepObserver):
     """`with WasteMeter(engine) as meter: ...run...` then `meter.breakdown()`.
 
-    Reads the engine between steps through its step-listener hook (the one `PoolRecorder` uses)
-    and keeps the sequences it saw, so their final lengths are known when the run is over."""
+    Reads the engine's block tables (`block_tables()`, one copy under its lock) between steps
+    through its step-listener hook (the one `PoolRecorder` uses), and each sequence's final length
+    from the engine's finished requests (`request_rows`) once the run is over."""
 
     engine: Any
     label: str = ""
     _samples: list[list[_SeqSample]] = field(default_factory=list)
     _free: list[tuple[int, bool]] = field(default_factory=list)     # (free slots, head refused by layout)
-    _seqs: dict[tuple[str, int], Any] = field(default_factory=dict)
+    _seen: dict[tuple[str, int], None] = field(default_factory=dict)    # every sequence, in order
+    _final: dict[str, int] | None = None                              # its tokens once finished
     _block_size: int = field(init=False)
     _num_blocks: int = field(init=False)
     admitted_at: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -120,17 +124,13 @@ class WasteMeter(StepObserver):
         bs = self._block_size
         step: list[_SeqSample] = []
         held: list[int] = []
-        for req in self.engine.live_requests():
-            for seq in req.seqs:
-                if seq.is_finished:
-                    continue
-                key = (req.request_id, seq.sample_index)
-                self._seqs[key] = seq
-                ids = seq.block_table.block_ids
-                if ids:
-                    self.admitted_at.setdefault(key, len(self._samples) + 1)
-                step.append(_SeqSample(key, len(ids) * bs, seq.block_table.num_slots))
-                held.extend(ids)
+        for seq in self.engine.block_tables():
+            key = (seq.request_id, seq.sample_index)
+            self._seen[key] = None
+            if seq.block_ids:
+                self.admitted_at.setdefault(key, len(self._samples) + 1)
+            step.append(_SeqSample(key, len(seq.block_ids) * bs, seq.num_slots))
+            held.extend(seq.block_ids)
         if len(held) != len(set(held)):           # a block in two tables: shared
             raise RuntimeError("WasteMeter splits slots per sequence, so it needs an unshared pool: build "
                                "the engine with enable_prefix_caching=False and run n=1 requests")
@@ -142,16 +142,30 @@ class WasteMeter(StepObserver):
     def final_kv_tokens(self, key: tuple[str, int]) -> int:
         """Slots a sequence fills over its whole life: every token but the last one sampled (its
         K and V would only be written by the step after, which never comes)."""
-        return self._seqs[key].num_tokens - 1
+        return self._final_lengths()[key[0]] - 1
+
+    def _final_lengths(self) -> dict[str, int]:
+        """Prompt plus generated tokens of every request seen, read once after the run (n = 1, so
+        a request is its one sequence)."""
+        if self._final is None:
+            seen = {rid for rid, _ in self._seen}
+            rows = [r for r in self.engine.request_rows(finished=FINISHED_KEPT) if r.request_id in seen]
+            unfinished = [r.request_id for r in rows if not r.finished]
+            if unfinished:
+                raise RuntimeError(f"{len(unfinished)} sequences are still running ({unfinished[0]}, ...): "
+                                   "call breakdown() after the run, when every final length is known")
+            final = {r.request_id: r.prompt_tokens + r.output_tokens for r in rows}
+            if seen - final.keys():
+                raise RuntimeError(f"the engine keeps its last {FINISHED_KEPT} finished requests and this run "
+                                   f"had {len(seen)}: record a shorter run")
+            self._final = final
+        return self._final
 
     def breakdown(self) -> WasteBreakdown:
         """Split every recorded step's slots four ways (plus free); call after the run ends."""
         if not self._samples:
             raise RuntimeError("nothing recorded: run requests inside `with WasteMeter(engine):`")
-        unfinished = [k for k, s in self._seqs.items() if not s.is_finished]
-        if unfinished:
-            raise RuntimeError(f"{len(unfinished)} sequences are still running ({unfinished[0][0]}, ...): "
-                               "call breakdown() after the run, when every final length is known")
+        self._final = None                  # a breakdown reads the final lengths afresh
         capacity = self._num_blocks * self._block_size
         totals = dict.fromkeys(CATEGORIES, 0)
         for step, (free, refused) in zip(self._samples, self._free):

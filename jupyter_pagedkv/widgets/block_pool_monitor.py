@@ -1,7 +1,7 @@
 """BlockPoolMonitor: the live block map of one engine as an anywidget.
 
-The drawing lives in `jupyter_pagedkv/static/blockmap.js`, the same module the JupyterLab side
-panel imports. State travels in two traits: `base` (a full frame, set on creation and when a view
+The drawing lives in `jupyter_pagedkv/widgets/static/blockmap.js` (and the modules it imports), the
+same module the JupyterLab side panel imports. State travels in two traits: `base` (a full frame, set on creation and when a view
 asks for one) and `frame` (the latest diff). Each diff names the frame it applies on, so a view
 that missed one asks for a full frame instead of drawing a wrong picture.
 """
@@ -15,6 +15,7 @@ import anywidget
 import traitlets
 
 from ..monitor.feed import feed_for
+from .esm import inlined_module
 
 if TYPE_CHECKING:
     from ..monitor.feed import Frame
@@ -61,7 +62,7 @@ class Busiest:
 class BlockPoolMonitor(anywidget.AnyWidget):
     """One canvas cell per KV block (coloured by state), gauges and a usage sparkline, live."""
 
-    _esm = STATIC / "blockmap.js"
+    _esm = inlined_module(STATIC / "blockmap.js")
     title = traitlets.Unicode("KV cache").tag(sync=True)
     height = traitlets.Int(220).tag(sync=True)
     base = traitlets.Dict().tag(sync=True)
@@ -174,10 +175,7 @@ class BlockPoolMonitor(anywidget.AnyWidget):
         import io
 
         if snap is None:
-            engine = self._feed.engine if hasattr(self._feed, "engine") else None
-            if engine is None:
-                return None
-            snap = engine.pool_snapshot()
+            snap = self._feed.engine.pool_snapshot()
         if len(snap["states"]) > max_blocks:
             return None
         from matplotlib.figure import Figure

@@ -5,9 +5,9 @@ table (physical ids in logical order, slots filled): what a teaching figure draw
 never drift from what the allocator did. `capture` reads one now; `FrameAt` keeps one from inside
 a run that something else drives.
 
-`capture` takes the pool from `pool_snapshot()`; the block tables come from
-`Engine.live_requests()`, because no `EngineClient` view reports them yet. The two are checked
-against each other, so a capture that raced a step is refused, not drawn.
+`capture` takes the pool from `pool_snapshot()` and the block tables from `block_tables()`, two
+`EngineClient` views each copied under the engine's lock. The two are checked against each other,
+so a capture that raced a step is refused, not drawn.
 """
 from __future__ import annotations
 
@@ -62,18 +62,8 @@ def capture(engine: Any, stage: str = "", note: str = "") -> PagingFrame:
     """Read one frame off `engine` (an `Engine`), between steps: call it from the cell that steps,
     not while a background loop runs, or the tables and the snapshot may describe two instants."""
     snap = engine.pool_snapshot()
-    tables = []
-    # The one reach past EngineClient: block tables in logical order have no public view yet.
-    for req in engine.live_requests():
-        for seq in req.seqs:
-            if seq.is_finished:
-                continue
-            state = seq.status.value
-            if state == "waiting" and seq.num_preemptions:
-                state = "preempted"
-            label = req.request_id if len(req.seqs) == 1 else f"{req.request_id} #{seq.sample_index}"
-            table = seq.block_table
-            tables.append(SeqTable(label, req.request_id, state, tuple(table.block_ids), table.num_slots))
+    tables = [SeqTable(s.request_id if s.num_samples == 1 else f"{s.request_id} #{s.sample_index}",
+                       s.request_id, s.state, s.block_ids, s.num_slots) for s in engine.block_tables()]
     refs = [0] * snap["num_blocks"]
     for t in tables:
         for b in t.block_ids:

@@ -1,8 +1,9 @@
 """pool_figure: a still picture of the block pool (matplotlib), for notebooks and docs.
 
 The live monitor is an anywidget, which a repository page or a PDF export cannot run; a figure of a
-`pool_snapshot()` can be saved with the notebook. Colours are read from the widget's own module
-(`static/blockmap.js`), so the picture and the live map always agree on what a colour means.
+`pool_snapshot()` can be saved with the notebook. Colours are read from the widget's own palette
+(`static/palette.js`, which `static/blockmap.js` imports), so the picture and the live map always
+agree on what a colour means.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 FONT = 8    # the smallest text any committed figure draws, in points (tests/figure_checks.py checks it)
 
 STATIC = Path(__file__).resolve().parent / "static"
+PALETTE = STATIC / "palette.js"           # the live monitor's colour tables
 ORDER = ("free", "cached", "used", "shared", "swapped", "speculative")
 
 
@@ -22,33 +24,33 @@ def _rgb(r: str, g: str, b: str) -> tuple[float, float, float]:
 
 @lru_cache(maxsize=1)
 def state_colours() -> dict[str, tuple[float, float, float]]:
-    """The monitor's `COLORS` table from blockmap.js, as matplotlib RGB triples."""
-    source = (STATIC / "blockmap.js").read_text()
+    """The monitor's `COLORS` table from palette.js, as matplotlib RGB triples."""
+    source = PALETTE.read_text()
     table = re.search(r"export const COLORS = \{(.*?)\};", source, re.S)
     if table is None:
-        raise RuntimeError("blockmap.js has no `export const COLORS = {...}` table")
+        raise RuntimeError("palette.js has no `export const COLORS = {...}` table")
     return {name: _rgb(r, g, b) for name, r, g, b in re.findall(r"(\w+): \[(\d+), (\d+), (\d+)\]", table.group(1))}
 
 
 @lru_cache(maxsize=1)
 def cue_colours() -> dict[str, tuple[float, float, float]]:
-    """The second cues of blockmap.js (`MARK` on shared blocks, `STRIPE` on swapped ones), so a
+    """The second cues of palette.js (`MARK` on shared blocks, `STRIPE` on swapped ones), so a
     figure tells those states apart without hue, as the live map does."""
-    source = (STATIC / "blockmap.js").read_text()
+    source = PALETTE.read_text()
     found = dict((name, _rgb(r, g, b)) for name, r, g, b in
                  re.findall(r"export const (MARK|STRIPE) = \[(\d+), (\d+), (\d+)\];", source))
     if set(found) != {"MARK", "STRIPE"}:
-        raise RuntimeError("blockmap.js lacks `export const MARK = [r, g, b];` or `STRIPE`")
+        raise RuntimeError("palette.js lacks `export const MARK = [r, g, b];` or `STRIPE`")
     return found
 
 
 @lru_cache(maxsize=1)
 def tenant_colours() -> list[tuple[float, float, float]]:
-    """blockmap.js's `TENANT_COLORS`, in the order tenants are listed (by name, unnamed last)."""
-    source = (STATIC / "blockmap.js").read_text()
+    """palette.js's `TENANT_COLORS`, in the order tenants are listed (by name, unnamed last)."""
+    source = PALETTE.read_text()
     table = re.search(r"export const TENANT_COLORS = \[(.*?)\];", source, re.S)
     if table is None:
-        raise RuntimeError("blockmap.js has no `export const TENANT_COLORS = [...]` table")
+        raise RuntimeError("palette.js has no `export const TENANT_COLORS = [...]` table")
     return [_rgb(r, g, b) for r, g, b in re.findall(r"\[(\d+), (\d+), (\d+)\]", table.group(1))]
 
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_model
 from jupyter_pagedkv import BeamSearchParams
-from jupyter_pagedkv.bench import models
+from jupyter_pagedkv.testing import models
 
 MAX_NEW = 12
 

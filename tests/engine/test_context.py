@@ -7,7 +7,7 @@ import pytest
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import BeamSearchParams, SamplingParams
-from jupyter_pagedkv.bench.models import random_prompts
+from jupyter_pagedkv.testing.models import random_prompts
 
 MODEL = tiny_model("llama", seed=31)          # max_position_embeddings=512
 

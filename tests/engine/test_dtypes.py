@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.bench.models import compare_with_oracle, hf_greedy, random_prompts
+from jupyter_pagedkv.testing.models import compare_with_oracle, hf_greedy, random_prompts
 from jupyter_pagedkv.worker import loader
 from jupyter_pagedkv.worker.loader import checkpoint_dtype, choose_dtype
 

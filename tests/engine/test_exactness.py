@@ -6,7 +6,7 @@ import torch
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.bench.models import random_prompts
+from jupyter_pagedkv.testing.models import random_prompts
 
 ARCHS = ["llama", "qwen3", "mistral", "phi3"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,7 @@ import torch
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import BeamSearchParams, SamplingParams
-from jupyter_pagedkv.bench.models import hf_beams, random_prompts
+from jupyter_pagedkv.testing.models import hf_beams, random_prompts
 
 MODEL = tiny_model("llama", seed=21)
 NEW = 64

@@ -14,7 +14,7 @@ import torch
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.bench.models import compare_with_oracle, random_prompts
+from jupyter_pagedkv.testing.models import compare_with_oracle, random_prompts
 from jupyter_pagedkv.worker import prefill_attention
 
 NEW = 12

@@ -11,7 +11,7 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from jupyter_pagedkv import BeamSearchParams, SamplingParams
-from jupyter_pagedkv.bench.models import random_prompts
+from jupyter_pagedkv.testing.models import random_prompts
 
 MODEL = tiny_model("llama", seed=12)
 NEW = 12

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 
 from conftest import tiny_model
 from jupyter_pagedkv import BeamSearchParams, Engine, SamplingParams, StructuredOutputsParams
-from jupyter_pagedkv.bench.models import byte_tokenizer
+from jupyter_pagedkv.testing.models import byte_tokenizer
 from jupyter_pagedkv.config import EngineConfig, from_arguments
 from jupyter_pagedkv.notebook.magics import PagedKVMagics
 from jupyter_pagedkv.notebook.options import generate_params, parse_line

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from jupyter_pagedkv.bench.soak import soak
+from jupyter_pagedkv.testing.soak import soak
 
 
 @pytest.mark.timeout(1800)   # ~65 s of CPU; 6 min on a machine shared five ways

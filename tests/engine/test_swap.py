@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
 from jupyter_pagedkv.worker.kv_cache import KVCache, KVSpec
-from jupyter_pagedkv.bench.models import random_prompts
+from jupyter_pagedkv.testing.models import random_prompts
 
 MODEL = tiny_model("llama", seed=8)
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from jupyter_pagedkv.bench.models import hf_greedy, tiny_model
+from jupyter_pagedkv.testing.models import hf_greedy, tiny_model
 from jupyter_pagedkv.notebook.loops import Loop, check_against_transformers, find_loop
 
 

@@ -132,3 +132,27 @@ def test_generate_magic_sends_the_tenant_or_says_in_one_line_why_it_cannot(fake,
     ip.run_cell_magic("generate", "--max-tokens 2 --raw --tenant alice", "ok")
     assert "Hello world" in capsys.readouterr().out and handler.bodies[-1]["cache_salt"] == "alice"
     ip.run_line_magic("pagedkv", "disconnect")
+
+
+def test_a_server_refuses_tenant_weights_and_block_tables_in_one_line_that_says_what_to_do(vllm, magic_shell):
+    """The server client implements the whole EngineClient: what a server cannot give is refused
+    as the user's one-line mistake (a ValueError), never faked, and the magic shows that line."""
+    from IPython.core.error import UsageError
+
+    _, url = vllm
+    client = Engine.connect(url)
+    for call in (lambda: client.set_tenant("alice", weight=2), client.block_tables):
+        with pytest.raises(UnsupportedByServer, match=r"%pagedkv disconnect") as err:
+            call()
+        assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+    magic_shell.run_line_magic("pagedkv", f"connect {url}")
+    with pytest.raises(UsageError, match="takes no tenant weights or caps"):
+        magic_shell.run_line_magic("pagedkv", "tenant alice --weight 2")
+    magic_shell.run_line_magic("pagedkv", "disconnect")
+
+
+def test_a_server_failure_is_an_engine_unavailable_error_for_every_front_end():
+    from jupyter_pagedkv.protocol import EngineUnavailable
+
+    assert issubclass(RemoteError, EngineUnavailable) and issubclass(UnsupportedByServer, EngineUnavailable)
+    assert not issubclass(EngineUnavailable, ValueError)      # not the user's mistake, unlike a bad argument

@@ -10,7 +10,7 @@ from jupyter_pagedkv import SamplingParams
 from jupyter_pagedkv.sim import CostModel, ModelCost, SimConfig, Simulator, StepWork, synthetic
 from jupyter_pagedkv.sim.serve import TimedPrompt, serve
 from jupyter_pagedkv.sim.validate import offline_check, sim_config_of
-from jupyter_pagedkv.bench.models import random_prompts
+from jupyter_pagedkv.testing.models import random_prompts
 
 MODEL = tiny_model("llama", seed=8)
 

@@ -8,8 +8,8 @@ import pytest
 from conftest import tiny_model
 from figure_checks import check_figure
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.bench.tenants import (RATIO_TARGET_SIM, TenantedEngine, compare, main, parser, sim_runs,
-                                           tenants_figure)
+from jupyter_pagedkv.sim.tenant_comparison import RATIO_TARGET_SIM, TenantedEngine, compare, sim_runs, tenants_figure
+from package_command import run_command
 from jupyter_pagedkv.sim.serve import TimedPrompt, serve
 from jupyter_pagedkv.sim.tenant_workload import NOISY, QUIET, TenantMix, noisy_neighbour
 
@@ -51,8 +51,8 @@ def test_fair_share_cuts_the_quiet_tail_to_a_third_and_keeps_the_noisy_tenants_s
 
 def test_the_json_has_stable_keys(tmp_path):
     out = tmp_path / "t.json"
-    assert main(["--scale", "sim", "--seeds", "0", "1", "--sim-quiet-requests", "40", "--sim-noisy-requests", "10",
-                 "--sim-noisy-at", "5", "--plot-dir", str(tmp_path), "--json", str(out)]) == 0
+    assert run_command(["bench", "tenants", "--scale", "sim", "--seeds", "0", "1", "--sim-quiet-requests", "40", "--sim-noisy-requests", "10",
+                 "--sim-noisy-at", "5", "--plot-dir", str(tmp_path), "--json", str(out)])[0] == 0
     data = json.loads(out.read_text())
     assert set(data) == {"cpu_isa", "sim"}
     sim = data["sim"]
@@ -82,13 +82,12 @@ def test_the_figure_is_readable(small_runs):
         plt.close(fig)
 
 
-def test_the_command_line_parses():
-    args = parser().parse_args([])
-    assert args.scale == "both" and args.seeds == [0, 1, 2, 3, 4] and args.plot_dir == "docs/images"
-    args = parser().parse_args(["--scale", "real", "--quick", "--noisy-weight", "3"])
-    assert args.quick and args.noisy_weight == 3.0
-    from jupyter_pagedkv.bench.__main__ import USAGE
-    assert "tenants" in USAGE
+def test_the_command_line_names_its_options_and_refuses_a_bad_one():
+    code, text = run_command(["bench", "tenants", "--help"])
+    assert code == 0 and all(o in text for o in ("--scale", "--seeds", "--quick", "--noisy-weight", "--plot-dir"))
+    code, text = run_command(["bench", "tenants", "--scale", "everything"])
+    assert code == 2 and "invalid choice: 'everything'" in text
+    assert "tenants" in run_command(["bench", "--help"])[1]
 
 
 def test_the_real_run_sends_each_request_under_its_tenant(make_engine):

@@ -70,7 +70,7 @@ def _why_skip() -> str | None:
 
 def palette() -> dict[str, tuple[int, int, int]]:
     """The state colours, read from the drawing module itself so the test cannot drift from it."""
-    js = (ROOT / "jupyter_pagedkv" / "widgets" / "static" / "blockmap.js").read_text()
+    js = (ROOT / "jupyter_pagedkv" / "widgets" / "static" / "palette.js").read_text()
     block = js[js.index("export const COLORS = {"):]
     block = block[:block.index("};")]
     return {k: tuple(map(int, v.split(","))) for k, v in re.findall(r"(\w+): \[([\d, ]+)\]", block)}

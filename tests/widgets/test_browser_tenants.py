@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1200)]
 
 SETUP = """\
 from jupyter_pagedkv import Engine, SamplingParams
-from jupyter_pagedkv.bench.models import tiny_model
+from jupyter_pagedkv.testing.models import tiny_model
 from jupyter_pagedkv.notebook.session import current
 
 engine = Engine(tiny_model("llama", seed=3), None, block_size=4, num_blocks=96, kv_cache_memory="64MiB",
@@ -52,7 +52,7 @@ PANEL = "#jupyter-pagedkv-panel .pkv-root"
 
 
 def js_colour(name: str) -> list:
-    js = (STATIC / "blockmap.js").read_text()
+    js = (STATIC / "palette.js").read_text()
     block = js[js.index(f"export const {name} = "):]
     block = block[:block.index(";")]
     found = [list(map(int, m)) for m in re.findall(r"\[(\d+), (\d+), (\d+)\]", block)]

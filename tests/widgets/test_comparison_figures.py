@@ -120,7 +120,7 @@ def test_planner_figure_reads_well():
 def test_bench_tail_figure_reads_well_and_names_its_tail():
     """bench tail's four panels (its PNGs are committed in docs/): labelled, >= 8 pt, legends off
     the data, plain log ticks; a sweep of 12-request runs calls its tail "max"."""
-    from jupyter_pagedkv.bench.tail import max_rate_under, tail_figure
+    from jupyter_pagedkv.sim.tail_sweep import max_rate_under, tail_figure
     from jupyter_pagedkv.sim.summary import RequestTiming, RunSummary
 
     def run(n: int, slow: float) -> RunSummary:
@@ -144,7 +144,7 @@ def test_bench_tail_figure_reads_well_and_names_its_tail():
 def test_bench_tail_says_when_a_sweep_never_reaches_the_bound(capsys):
     """A curve that stays under its bound at every swept rate has no measured capacity: the report
     says ">=" and, when neither crosses, that the sweep must go higher, instead of a ratio."""
-    from jupyter_pagedkv.bench.tail import report
+    from jupyter_pagedkv.sim.tail_sweep import report
     from jupyter_pagedkv.sim.summary import RequestTiming, RunSummary
 
     def run(slow: float, ttft: float) -> RunSummary:    # 12 requests: max e2e 13 x slow, TTFT ttft

@@ -1,6 +1,6 @@
 """The block states' colours stay apart for the common colour-vision deficiencies, in both themes.
 
-Each colour of the monitor's table (read from blockmap.js, as pool_figure reads it) is passed through
+Each colour of the monitor's table (read from palette.js, as pool_figure reads it) is passed through
 Machado, Oliveira and Fernandes' (2009) simulation of full protanopia, deuteranopia and tritanopia,
 a linear map in linear-light sRGB, and every pair of states must stay at least MIN_DE apart in
 CIEDE2000 (about 2.3 is "just noticeable"; neighbouring cells need far more than that to be told
@@ -125,7 +125,7 @@ def test_the_replaced_palette_fails_the_same_check():
 def test_the_second_cues_differ_in_lightness_from_their_state():
     """The shared mark and the swapped stripes must show under any deficiency (lightness survives
     them all): at least 30 L* apart from the colour they sit on."""
-    js = (STATIC / "blockmap.js").read_text()
+    js = (STATIC / "palette.js").read_text()
     cue = {name: tuple(map(int, re.search(rf"export const {name} = \[(\d+), (\d+), (\d+)\];", js).groups()))
            for name in ("MARK", "STRIPE")}
     table = palettes()["light"]
@@ -145,8 +145,8 @@ def test_ciede2000_matches_published_pairs():
 
 
 def tenant_colours() -> list[tuple[int, int, int]]:
-    """blockmap.js's TENANT_COLORS, one [r, g, b] per line (the colour-by-tenant mode)."""
-    js = (STATIC / "blockmap.js").read_text()
+    """palette.js's TENANT_COLORS, one [r, g, b] per line (the colour-by-tenant mode)."""
+    js = (STATIC / "palette.js").read_text()
     block = js[js.index("export const TENANT_COLORS = ["):]
     block = block[:block.index("];")]
     return [tuple(map(int, m)) for m in re.findall(r"\[(\d+), (\d+), (\d+)\]", block)]
@@ -168,7 +168,7 @@ def test_the_first_six_tenants_stay_apart_from_each_other_and_from_cached_and_fr
 def test_the_cue_drawn_on_each_tenant_colour_differs_from_it_in_lightness():
     """blockmap.js draws the shared mark (and the ref count) on a tenant's colour in MARK or STRIPE,
     whichever has the higher WCAG contrast (cueOn): that one must be 30 L* away under any deficiency."""
-    js = (STATIC / "blockmap.js").read_text()
+    js = (STATIC / "palette.js").read_text()
     cue = {name: tuple(map(int, re.search(rf"export const {name} = \[(\d+), (\d+), (\d+)\];", js).groups()))
            for name in ("MARK", "STRIPE")}
 

@@ -19,7 +19,7 @@ PROMPT = list(range(3, 30))          # 27 tokens: 6 full blocks of 4 and a parti
 
 
 def test_colours_are_the_widget_table():
-    js = (STATIC / "blockmap.js").read_text()
+    js = (STATIC / "palette.js").read_text()
     names = re.findall(r"^\s+(\w+): \[\d+, \d+, \d+\],$", js.split("export const COLORS")[1].split("};")[0], re.M)
     assert set(state_colours()) == set(names) >= {"free", "cached", "used", "shared", "swapped", "speculative"}
     assert state_colours()["used"] == (0 / 255, 158 / 255, 115 / 255)

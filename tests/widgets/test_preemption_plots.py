@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from figure_checks import check_figure  # noqa: E402
 from jupyter_pagedkv import SamplingParams  # noqa: E402
-from jupyter_pagedkv.bench.models import random_prompts  # noqa: E402
+from jupyter_pagedkv.testing.models import random_prompts  # noqa: E402
 from jupyter_pagedkv.sim import Simulator, synthetic  # noqa: E402
 from jupyter_pagedkv.widgets import PoolRecorder  # noqa: E402
 from jupyter_pagedkv.widgets.preemption_plots import (  # noqa: E402

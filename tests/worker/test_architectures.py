@@ -17,7 +17,7 @@ import torch
 
 from conftest import tiny_model
 from jupyter_pagedkv import Engine
-from jupyter_pagedkv.bench.architectures import causal_lm_types, run_case
+from jupyter_pagedkv.gpucheck.architectures import causal_lm_types, run_case
 from jupyter_pagedkv.worker.compat import UnsupportedModelError
 
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.bench.models import random_prompts
+from jupyter_pagedkv.testing.models import random_prompts
 from jupyter_pagedkv.worker.input_staging import InputStaging, layout
 
 MODEL = tiny_model("llama", seed=5)

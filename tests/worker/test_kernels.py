@@ -383,7 +383,7 @@ def test_triton_backend_is_exact_for_a_chunked_prompt_and_over_a_cached_prefix_w
     transformers' generate (the torch path's version: tests/engine/test_exactness_prefill.py)."""
     from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
     from jupyter_pagedkv import Engine, SamplingParams
-    from jupyter_pagedkv.bench.models import random_prompts
+    from jupyter_pagedkv.testing.models import random_prompts
 
     model = tiny_model("mistral-window48", seed=23).to(DEVICE)
     prompt = random_prompts(1, 256, seed=5, lo=56, hi=57)[0]

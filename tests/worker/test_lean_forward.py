@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.bench.models import random_prompts, tiny_model
+from jupyter_pagedkv.testing.models import random_prompts, tiny_model
 from jupyter_pagedkv.worker import lean_forward
 from jupyter_pagedkv.worker.attention import ATTN_IMPLEMENTATION
 from jupyter_pagedkv.worker.packed_linear import PackedLinears, packable_dtypes, packed_gemms

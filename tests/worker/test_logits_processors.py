@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.bench.models import attention, random_prompts
+from jupyter_pagedkv.testing.models import attention, random_prompts
 from jupyter_pagedkv.worker.logits_processors import apply_processors
 
 MODEL = tiny_model("llama", seed=3)

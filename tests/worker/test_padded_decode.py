@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import BeamSearchParams, SamplingParams
-from jupyter_pagedkv.bench.models import random_prompts
+from jupyter_pagedkv.testing.models import random_prompts
 from jupyter_pagedkv.worker.padded_decode import bucket_sizes
 
 MODEL = tiny_model("llama", seed=4)

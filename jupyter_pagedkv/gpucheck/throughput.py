@@ -16,9 +16,9 @@ import torch
 
 from ..worker.step_timing import summarize
 
-from .gpu_report import Report, device
-from .hf_peers import hf_continuous_session, hf_padded
-from .models import shaped_model
+from .report import Report, device
+from ..testing.peers import hf_continuous_session, hf_padded
+from ..testing.models import shaped_model
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -148,3 +150,13 @@ def run_child(argv: list[str], parts: dict[str, Callable[[Report, bool], None]],
 def device():
     import torch
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_isa() -> str:
+    """The vector extensions that decide CPU speed (benchmarks print them beside their tables)."""
+    try:
+        flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    except (OSError, AttributeError):
+        return platform.machine()
+    names = ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
+    return ", ".join(n for n in names if n in flags) or "no AVX2"

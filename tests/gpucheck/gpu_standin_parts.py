@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from jupyter_pagedkv.bench.gpu_report import Report, run_child
+from jupyter_pagedkv.gpucheck.report import Report, run_child
 
 HANG_S = 3600
 

@@ -65,7 +65,7 @@ def tiny_config(model_type: str):
 
 def oracle(model, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy generate: SDPA, or eager where the model refuses SDPA (soft-capping)."""
-    from .models import attention, hf_greedy
+    from ..testing.models import attention, hf_greedy
 
     try:
         return hf_greedy(model, prompt, new_tokens, stop_at_eos=False)
@@ -84,7 +84,7 @@ def run_case(model_type: str, device: str = "cpu", seed: int = 0, backend: str =
     from ..core.sampling_params import SamplingParams
     from ..engine.engine import Engine
     from ..worker.compat import UnsupportedModelError
-    from .models import _sharpen, compare_with_oracle, random_prompts
+    from ..testing.models import _sharpen, compare_with_oracle, random_prompts
 
     t0 = time.perf_counter()
     done = lambda status, detail="": Outcome(model_type, status, detail, time.perf_counter() - t0)  # noqa: E731
@@ -162,7 +162,7 @@ SMOKE_TYPES = ("llama", "gemma2", "qwen3")
 
 
 def gpu_part(report, smoke: bool) -> None:
-    from .gpu_report import device
+    from .report import device
 
     dev = device()
     types = SMOKE_TYPES if smoke else GPU_TYPES

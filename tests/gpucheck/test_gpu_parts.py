@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jupyter_pagedkv.bench import gpu_parts
-from jupyter_pagedkv.bench.gpu_report import Report, fold
+from jupyter_pagedkv.gpucheck import parts as gpu_parts
+from jupyter_pagedkv.gpucheck.report import Report, fold
 from jupyter_pagedkv.worker import kernels_bridge
 
 

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from .gpu_report import Report, device
-from .models import shaped_model
+from .report import Report, device
+from ..testing.models import shaped_model
 
 
 def decode_workload(n: int, vocab: int, smoke: bool) -> tuple[list[list[int]], list[int]]:

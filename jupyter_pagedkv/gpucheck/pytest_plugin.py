@@ -1,4 +1,4 @@
-"""pytest plugin for the GPU check (`-p jupyter_pagedkv.bench.gpu_pytest`): one row per test, appended
+"""pytest plugin for the GPU check (`-p jupyter_pagedkv.gpucheck.pytest_plugin`): one row per test, appended
 to the check's events file the moment the test ends.
 
 pytest writes `--junitxml` only when the session ends, so a run cut off by its time slice would
@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from .gpu_report import append_event
+from .report import append_event
 
 EVENTS_ENV = "PAGEDKV_GPU_EVENTS"
 PART_ENV = "PAGEDKV_GPU_PART"

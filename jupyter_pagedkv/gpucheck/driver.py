@@ -18,7 +18,7 @@ the Triton kernels in Triton's interpreter (`make gpu-rehearsal` runs it in a ve
 GPU image). Needs only what that image has: torch, triton, transformers, accelerate, pytest.
 
 Hook for tests: `main(argv, parts=...)` runs another list of `Part`s; a `Part`'s `command` names
-the program its process runs (default: this package's `gpu_parts`).
+the program its process runs (default: this package's `parts`).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .gpu_report import EVENTS_FILE, PASS, fold
+from .report import EVENTS_FILE, PASS, fold
 
 REPO = Path(__file__).resolve().parents[2]
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Part:
     smoke_slice_s: float      # in the CPU rehearsal
     quick: bool = True        # in --quick (every part is in --full)
     interpreter: bool = True  # on a CPU, run Triton in its interpreter (the compile part must not)
-    command: tuple[str, ...] = ("-m", "jupyter_pagedkv.bench.gpu_parts")
+    command: tuple[str, ...] = ("-m", "jupyter_pagedkv.gpucheck.parts")
 
 
 # In order of value per second: what must be known first runs first.

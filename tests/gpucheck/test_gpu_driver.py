@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_pagedkv.bench import gpu
-from jupyter_pagedkv.bench.gpu import Part
+from jupyter_pagedkv.gpucheck import driver as gpu
+from jupyter_pagedkv.gpucheck.driver import Part
 
 STANDIN = (str(Path(__file__).with_name("gpu_standin_parts.py")),)
 SLICE_S = 2.0
@@ -64,7 +64,7 @@ def test_a_half_written_line_is_skipped_and_the_next_part_stays_whole(tmp_path):
     events = tmp_path / "rows.jsonl"
     events.write_text('{"part": "x", "kind": "row", "table": "t", "data": {"i": 0}}\n{"part": "x", "ki')
     gpu._end_line(events)
-    from jupyter_pagedkv.bench.gpu_report import append_event, fold
+    from jupyter_pagedkv.gpucheck.report import append_event, fold
     append_event(events, {"part": "y", "kind": "status", "status": "pass"})
     found = fold(events, {})
     assert found["x"]["rows"]["t"] == [{"i": 0}]
