@@ -177,7 +177,7 @@ def _problem(model, packed: PackedLinears, softcaps: list[float | None]) -> str 
         for linears in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
                         (mlp.down_proj,)):
             if _projection(packed, linears) is None:
-                return ("its projections are neither packed for oneDNN (packing is off, or not in this dtype) "
+                return ("its projections are not packed for oneDNN (packing is off, or not in this dtype) "
                         "nor stacked GGUF blocks")
     return None
 
