@@ -9,6 +9,8 @@ TORCH := torch==2.13.0
 
 # `make bench-peers`: vLLM's CPU build in its own venv, for the throughput benchmark.
 include mk/peers.mk
+# `make bench-llamacpp`: llama.cpp (llama-cpp-python, built from source) for `bench single`.
+include mk/llamacpp.mk
 # `make gpu-check` (on a lent GPU) and `make gpu-rehearsal` (its CPU rehearsal).
 include mk/gpu.mk
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,structured,kernels,compile,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,single,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,structured,kernels,compile,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -13,6 +13,8 @@ def main(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
     if name == "throughput":
         from .throughput import main as run
+    elif name == "single":
+        from .single import main as run
     elif name == "gemm":
         from .gemm import main as run
     elif name == "chat":

@@ -133,7 +133,7 @@ class Engine(Stepping, EngineInspection, GenerationFront):
         config = (config or EngineConfig()).replace(device=device, dtype=dtype, **options)
         dev, choice = resolve_device_dtype(config.device, config.dtype)
         loaded = load_model(model, choice.dtype, dev, revision=config.revision,
-                            trust_remote_code=config.trust_remote_code)
+                            trust_remote_code=config.trust_remote_code, weights=config.weights)
         engine = cls(loaded.model, loaded.tokenizer, config, name=loaded.name, owns_model=True)
         engine.dtype_reason = choice.reason
         return engine

@@ -10,6 +10,7 @@ from typing import Callable, Iterable
 from ..config import format_bytes
 from ..core.invariants import check_invariants
 from ..core.stats import EngineStats, engine_stats, pool_snapshot
+from ..worker.quant_linear import describe_blocks
 from . import extensions
 from .block_tables import SeqBlocks, block_tables
 from .outputs import EngineInfo, Observation, QueueHead, RequestRow
@@ -93,6 +94,7 @@ class EngineInspection:
                    f"of KV, {kv.bytes_per_block:,} bytes per block, {format_bytes(kv.nbytes)} KV memory, "
                    f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
+                   + (f", {gguf_blocks}" if (gguf_blocks := describe_blocks(self.runner.model)) else "")
                    + _step_loop(self.runner.lean)
                    + (f", {self.runner.prefill_kind}" if self.device.type == "cpu" else "")
                    + (f", {len(self.warmed_kernels)} Triton kernel launches warmed up" if self.warmed_kernels else "")

@@ -28,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .attention import PagedMetadata, paged_attention
 from .native_decode import NativeDecode
 from .packed_linear import PackedLinears
+from .quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
 _PROBE_TOKENS = 7
+# Projections the loop calls as they are: plain linears, and packed GGUF blocks (weights="packed").
+_PROJECTIONS = (nn.Linear, QuantLinear)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +153,7 @@ def _shape_problem(model) -> str | None:
     """Why the model is not Llama-shaped, or None."""
     base = getattr(model, "model", None)
     parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if base is None or any(not hasattr(base, p) for p in parts) or type(getattr(model, "lm_head", None)) is not nn.Linear:
+    if base is None or any(not hasattr(base, p) for p in parts) or type(getattr(model, "lm_head", None)) not in _PROJECTIONS:
         return "not a decoder with embed_tokens, layers, norm, rotary_emb and an lm_head"
     config = model.config
     if len(base.layers) != getattr(config, "num_hidden_layers", -1):
@@ -167,9 +170,9 @@ def _shape_problem(model) -> str | None:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
                 return "its norms are not RMS norms with a weight"
-        if any(type(m) is not nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                    mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            return "a projection is not a plain nn.Linear (quantised or adapted)"
+        if any(type(m) not in _PROJECTIONS for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                       mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return "a projection is neither a plain nn.Linear nor a QuantLinear (adapted, or quantised otherwise)"
     if not hasattr(base.norm, "variance_epsilon"):
         return "its final norm is not an RMS norm"
     return None

@@ -110,13 +110,17 @@ def locate(model: str | os.PathLike | None, revision: str | None = None,
 
 
 def load_model(model: str | os.PathLike | None, dtype, device, revision: str | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, weights: str = "dense") -> LoadedModel:
     """Weights and tokenizer, loaded straight onto `device` in `dtype` (None: the checkpoint's own,
     bf16 for fp32 weights; see choose_dtype), with accelerate's device_map:
     no full host copy first, so a model that fits the GPU need not fit the host twice). Any
-    failure to find or read them is one ModelNotFoundError line."""
+    failure to find or read them is one ModelNotFoundError line. `weights="packed"`: a GGUF
+    file's blocks kept packed (gguf_packed.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if weights == "packed":
+        return _load_packed(model, dtype, device)
 
     folder, gguf, source = locate(model, revision, trust_remote_code)
     name = EMBEDDED_NAME if model is None else str(model)
@@ -146,6 +150,52 @@ def load_model(model: str | os.PathLike | None, dtype, device, revision: str | N
         tokenizer = None
     hf_model.eval()
     return LoadedModel(hf_model, tokenizer, name, source)
+
+
+def _load_packed(model: str | os.PathLike | None, dtype, device) -> LoadedModel:
+    """The embedded model's or a `.gguf` file's weights kept packed, fp32 activations on the CPU."""
+    import torch
+
+    from .gguf_packed import load_packed_model
+
+    if torch.device(device).type != "cpu" or dtype not in (None, torch.float32):
+        raise ValueError(f"weights='packed' computes in float32 on the CPU (asked: {device}, {dtype}): pass "
+                         f"device='cpu' and dtype='float32', or use weights='dense'")
+    path = embedded_gguf() if model is None else Path(os.path.expanduser(str(model)))
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        raise ModelNotFoundError(f"weights='packed' reads a GGUF file (Q4_0, Q4_1, Q8_0 blocks), not {model}: "
+                                 f"pass a .gguf path, nothing for the embedded model, or use weights='dense'")
+    hf_model, tokenizer = load_packed_model(path, gguf_metadata_dir(path))
+    return LoadedModel(hf_model, tokenizer, EMBEDDED_NAME if model is None else str(model), "gguf")
+
+
+def gguf_metadata_dir(gguf: Path) -> Path:
+    """A folder with the config and tokenizer of a GGUF file, converted on first use. Why: transformers
+    parses the whole file's metadata for each (~10 s apiece for the embedded model's 49k tokens)."""
+    target = cache_root() / "gguf-metadata" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _file_key(path: Path) -> str:
+    """A short key that changes when the file does (its path, size and modification time)."""
+    stat = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
 
 
 @contextmanager

@@ -8,6 +8,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "decode_attention.h"
+#include "quant_gemm.h"
 
 namespace {
 
@@ -24,6 +25,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   stack.emplace_back(std::string(""));
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// A projection: a oneDNN-packed weight (kind 0), or GGUF blocks of GGML type `kind` computed by
+// quant_gemm.cpp (weights="packed"), as the lean loop's layers call them.
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b, int64_t kind,
+                   int64_t dense_from_rows) {
+  return kind == 0 ? packed_linear(x, w, b) : quant_linear(x, w, kind, b, dense_from_rows);
 }
 
 // transformers' Llama RMSNorm, op for op (lean_forward._rms_norm).
@@ -43,7 +51,8 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // h [T, hidden] after the embedding; returns h after the last layer (before the final norm).
 // Per layer i: norm weights and epsilons, packed weights and biases of q/k/v (stacked), o,
-// gate/up (stacked) and down. The caches are [layers, blocks, block_size, kv_heads, d]; `slots`
+// gate/up (stacked) and down, and `kinds[4 i .. 4 i + 3]` how each of the four is packed (0:
+// oneDNN, else a GGML block type; `dense_from_rows` as quant_linear.DENSE_FROM_ROWS). The caches are [layers, blocks, block_size, kv_heads, d]; `slots`
 // [T] where each token's K/V goes; `table` [T, max_blocks] the sequences' blocks; `lens` [T]
 // their lengths after this token; `windows` each layer's sliding window (0: none).
 at::Tensor decode_layers(
@@ -56,12 +65,13 @@ at::Tensor decode_layers(
     const std::vector<at::Tensor>& w_down, const std::vector<c10::optional<at::Tensor>>& b_down,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
     const at::Tensor& table, const at::Tensor& lens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t intermediate, const std::vector<double>& scaling, const std::vector<int64_t>& windows) {
+    int64_t intermediate, const std::vector<double>& scaling, const std::vector<int64_t>& windows,
+    const std::vector<int64_t>& kinds, int64_t dense_from_rows) {
   const int64_t tokens = h.size(0);
   const int64_t layers = static_cast<int64_t>(norm1.size());
   for (int64_t i = 0; i < layers; ++i) {
     auto x = rms_norm(h, norm1[i], eps1[i]);
-    auto qkv = packed_linear(x, w_qkv[i], b_qkv[i]).view({tokens, -1, head_dim});
+    auto qkv = project(x, w_qkv[i], b_qkv[i], kinds[4 * i], dense_from_rows).view({tokens, -1, head_dim});
     auto qk = rotate(qkv.slice(1, 0, heads + kv_heads), cos, sin);
     auto q = qk.slice(1, 0, heads);
     auto k = qk.slice(1, heads);
@@ -71,10 +81,11 @@ at::Tensor decode_layers(
     vc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
     // attention.paged_attention_torch's decode rows: the same kernel, blocks read in place.
     auto o = paged_decode_attention(q, kc, vc, table, lens, scaling[i], windows[i]);
-    h = h + packed_linear(o.reshape({tokens, heads * head_dim}), w_o[i], b_o[i]);
+    h = h + project(o.reshape({tokens, heads * head_dim}), w_o[i], b_o[i], kinds[4 * i + 1], dense_from_rows);
     x = rms_norm(h, norm2[i], eps2[i]);
-    auto gate_up = packed_linear(x, w_gate_up[i], b_gate_up[i]).split({intermediate, intermediate}, -1);
-    h = h + packed_linear(at::silu(gate_up[0]) * gate_up[1], w_down[i], b_down[i]);
+    auto gate_up = project(x, w_gate_up[i], b_gate_up[i], kinds[4 * i + 2], dense_from_rows)
+                       .split({intermediate, intermediate}, -1);
+    h = h + project(at::silu(gate_up[0]) * gate_up[1], w_down[i], b_down[i], kinds[4 * i + 3], dense_from_rows);
   }
   return h;
 }

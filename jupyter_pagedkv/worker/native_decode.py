@@ -7,7 +7,8 @@ Python between them. On the embedded model (2-core Xeon, bf16) that made decode 
 at batch 1 and 1.25x at batch 32 (docs/benchmarks.md, issue #21).
 
 What it serves: decode-only steps (every chunk one token, no prefill) on the torch backend, of a
-model whose every q/k/v and gate/up are packed groups and o/down packed layers, with SiLU and no
+model whose every q/k/v and gate/up are packed groups and o/down packed layers (oneDNN-packed, or
+GGUF blocks stacked at load under weights="packed": quant_gemm.cpp), with SiLU and no
 logit soft-capping. Anything else runs the lean loop. Its attention is decode_attention.cpp, which
 reads each sequence's blocks in place (sliding windows included); the runner hands that kernel to
 every step of the engine (PagedMetadata.decode_kernel), so decode rows are attended by the same
@@ -30,10 +31,11 @@ from .attention import PagedMetadata
 from .native_build import LazyModule, NativeBuildError
 from .native_switch import native_disabled
 from .packed_linear import PackedLinears
+from .quant_linear import DENSE_FROM_ROWS, QuantLinear, QuantStack
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("native_decode.cpp", "decode_attention.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("native_decode.cpp", "decode_attention.cpp", "quant_gemm.cpp")]
 # -O3 vectorises the attention kernel's loops; no fused multiply-adds, so each of its ISA variants
 # rounds exactly as the others do; OpenMP, or at::parallel_for (a header template) runs on one thread.
 _EXTENSION = LazyModule("jupyter_pagedkv_native_decode", SOURCES, "the C++ step loop", "step_loop='lean'",
@@ -134,11 +136,13 @@ class NativeDecode:
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paged: PagedMetadata) -> torch.Tensor:
         """h after the last layer, as the lean loop's layers compute it."""
         weights: dict[str, list] = {k: [] for k in ("qkv", "bqkv", "o", "bo", "gu", "bgu", "down", "bdown")}
+        kinds: list[int] = []
         for layer in self.layers:
             for key, linears in (("qkv", layer.qkv), ("o", (layer.o,)), ("gu", layer.gate_up), ("down", (layer.down,))):
-                w, b = self.packed.packed_weight(linears)
+                w, b, kind = _projection(self.packed, linears)
                 weights[key].append(w)
                 weights["b" + key].append(b)
+                kinds.append(kind)
         kv = paged.kv_cache
         return self.module.decode_layers(
             h, cos, sin, [l.norm1.weight for l in self.layers], [float(l.norm1.variance_epsilon) for l in self.layers],
@@ -146,7 +150,7 @@ class NativeDecode:
             weights["qkv"], weights["bqkv"], weights["o"], weights["bo"], weights["gu"], weights["bgu"],
             weights["down"], weights["bdown"], kv.k, kv.v, paged.slot_mapping,
             paged.decode_block_tables, paged.seq_lens, self.heads, self.kv_heads, self.head_dim,
-            self.intermediate, self.scaling, self.windows)
+            self.intermediate, self.scaling, self.windows, kinds, DENSE_FROM_ROWS)
 
     def prove(self, native: torch.Tensor, lean: torch.Tensor) -> None:
         """The first served step: keep the C++ loop only if it gave the lean loop's very values."""
@@ -172,6 +176,19 @@ def _problem(model, packed: PackedLinears, softcaps: list[float | None]) -> str 
         attn, mlp = layer.self_attn, layer.mlp
         for linears in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
                         (mlp.down_proj,)):
-            if packed.packed_weight(linears) is None:
-                return "its projections are not packed for oneDNN (packing is off, or not in this dtype)"
+            if _projection(packed, linears) is None:
+                return ("its projections are not packed for oneDNN (packing is off, or not in this dtype) "
+                        "nor stacked GGUF blocks")
     return None
+
+
+def _projection(packed: PackedLinears, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """(weight, bias, kind) of the one GEMM computing `linears` in the C++ loop: a oneDNN-packed
+    weight (kind 0), or GGUF blocks (their GGML type; weights="packed"); None if neither."""
+    if len(linears) == 1 and isinstance(linears[0], QuantLinear):
+        return linears[0].blocks, linears[0].bias, linears[0].kind
+    stack = QuantStack.of(linears)
+    if stack is not None:
+        return stack.blocks, None, stack.kind
+    found = packed.packed_weight(linears)
+    return None if found is None else (*found, 0)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import held_weights
+from .quant_linear import QuantStack
 
 _ACTIVE = threading.local()
 
@@ -292,6 +293,9 @@ class PackedLinears:
         if (group is not None and index == 0 and len(group.members) == len(linears)
                 and all(a is b for a, b in zip(group.members, linears)) and _runs_packed(linears[0], x)):
             return group.gemm(x.contiguous())
+        stack = QuantStack.of(linears)          # GGUF blocks stacked at load (weights="packed")
+        if stack is not None:
+            return stack(x)
         return torch.cat([m(x) for m in linears], dim=-1)
 
     def packed_weight(self, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:

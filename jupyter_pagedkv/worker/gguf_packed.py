@@ -1,0 +1,146 @@
+"""A Llama-architecture GGUF file loaded with its weights kept packed (weights="packed").
+
+Why: transformers' GGUF support dequantizes every tensor to fp32 (the embedded 98 MB Q4_1 file
+becomes 540 MB); here each projection, the embedding and the (tied) output layer keep the file's
+own blocks and compute from them (quant_linear.py). Norms are F32 in the file and stay so.
+
+How: the model's skeleton is built from the file's config on the meta device (no fp32 weights are
+ever allocated), then every GGUF tensor is put in its module: a supported block type as a
+QuantLinear / QuantEmbedding over a copy of its bytes, F32/F16 as a parameter. Like transformers,
+q and k rows are un-permuted (llama.cpp's converter interleaves each head's rotary halves); a row
+permutation moves whole rows of blocks, so it is exact on the packed form.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .quant_linear import SUPPORTED, QuantEmbedding, QuantLinear, block_kind, stack_siblings
+
+ARCHITECTURES = ("llama",)
+_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_PLAIN = ("F32", "F16")
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleave of q/k rows (transformers' reverse_permute_weights)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+
+
+def load_packed_model(path: Path, metadata: Path):
+    """(model, tokenizer) of a Llama-architecture GGUF file, weights packed; `metadata` is a folder
+    with the file's config and tokenizer (loader.gguf_metadata_dir). Bad input is one line."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _architecture(reader)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path.name} is a {arch} model; packed weights load {', '.join(ARCHITECTURES)} GGUF "
+                         f"files: load it with weights='dense' (--weights dense)")
+    for t in reader.tensors:
+        if len(t.shape) == 2 and t.tensor_type.name not in _PLAIN:
+            block_kind(t.tensor_type.name)        # unsupported block types: one line, before any work
+    config = AutoConfig.from_pretrained(metadata, local_files_only=True)
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    base = model.model
+    # The rotary frequencies are a computed buffer: compute them for real.
+    base.rotary_emb = type(base.rotary_emb)(config=config)
+    tensors = {t.name: t for t in reader.tensors}
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    for name, t in tensors.items():
+        data = np.array(t.data)                    # a copy: the file's memory map is let go below
+        match = _LAYER.match(name)
+        if match and match.group(3) == "weight":
+            layer = base.layers[int(match.group(1))]
+            part = match.group(2)
+            if part in _NORMS:
+                _set_parameter(layer.get_submodule(_NORMS[part]), "weight", data)
+                continue
+            if part in _PROJECTIONS:
+                bias = tensors.get(name[:-6] + "bias")
+                bias = None if bias is None else np.array(bias.data, dtype=np.float32)
+                if part in ("attn_q", "attn_k"):
+                    n = heads if part == "attn_q" else kv_heads
+                    data = _unpermute_rows(data, n)
+                    bias = None if bias is None else _unpermute_rows(bias, n)
+                _set_linear(layer, _PROJECTIONS[part], data, t, bias)
+                continue
+        elif match:
+            continue                               # biases are taken with their weight
+        elif name == "token_embd.weight":
+            base.embed_tokens = _embedding(data, t)
+            continue
+        elif name == "output_norm.weight":
+            _set_parameter(base.norm, "weight", data)
+            continue
+        elif name == "output.weight":
+            model.lm_head = _linear(data, t, None)
+            continue
+        raise ValueError(f"{path.name}: tensor {name} has no place in a Llama model: load it with weights='dense'")
+    if "output.weight" not in tensors:             # tied: the output layer reads the embedding's blocks
+        emb = base.embed_tokens
+        if not isinstance(emb, QuantEmbedding):
+            raise ValueError(f"{path.name}: a tied output layer over an unpacked embedding: use weights='dense'")
+        model.lm_head = QuantLinear(emb.blocks, emb.type_name, emb.embedding_dim)
+    del reader, tensors                            # closes the file's memory map
+    for layer in base.layers:                      # q/k/v and gate/up: one kernel call each
+        attn, mlp = layer.self_attn, layer.mlp
+        stack_siblings([attn.q_proj, attn.k_proj, attn.v_proj])
+        stack_siblings([mlp.gate_proj, mlp.up_proj])
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if left:
+        raise ValueError(f"{path.name} lacks {', '.join(left[:3])}: it is not a complete Llama checkpoint; "
+                         f"load it with weights='dense'")
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(metadata, local_files_only=True)
+    return model, tokenizer
+
+
+def _set_parameter(module: nn.Module, name: str, data: np.ndarray) -> None:
+    setattr(module, name, nn.Parameter(torch.from_numpy(data.astype(np.float32)), requires_grad=False))
+
+
+def _linear(data: np.ndarray, t, bias: np.ndarray | None) -> nn.Module:
+    """A QuantLinear over the tensor's blocks, or a plain fp32 Linear for an F32/F16 tensor."""
+    b = None if bias is None else torch.from_numpy(bias)
+    if t.tensor_type.name in _PLAIN:
+        w = torch.from_numpy(data.astype(np.float32))
+        layer = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            if b is not None:
+                layer.bias.copy_(b)
+        return layer.requires_grad_(False)
+    return QuantLinear(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]), b)
+
+
+def _set_linear(layer: nn.Module, path: str, data: np.ndarray, t, bias: np.ndarray | None) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(layer.get_submodule(parent), leaf, _linear(data, t, bias))
+
+
+def _embedding(data: np.ndarray, t) -> nn.Module:
+    if t.tensor_type.name in _PLAIN:
+        return nn.Embedding.from_pretrained(torch.from_numpy(data.astype(np.float32)), freeze=True)
+    return QuantEmbedding(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]))
+
+
+def supported_types() -> str:
+    return ", ".join(SUPPORTED)

@@ -1,0 +1,212 @@
+// Linear layers computed from GGUF's packed blocks (see quant_linear.py for why and what).
+//
+// Weights stay in the GGUF file's own block layout, one row of blocks per output feature:
+//   Q4_0: 18 bytes per 32 weights: fp16 d, 16 bytes of nibbles;      w = d * (q - 8)
+//   Q4_1: 20 bytes per 32 weights: fp16 d, fp16 m, 16 bytes nibbles;  w = d * q + m
+//   Q8_0: 34 bytes per 32 weights: fp16 d, 32 int8;                   w = d * q
+// In a block, byte j's low nibble is weight j and its high nibble weight j + 16 (ggml's order).
+// Activations stay fp32 and are never quantized: the result is the dequantized model's GEMM up to
+// the rounding of fp32 sums (the generic variant multiplies the dequantized weights; the AVX2 one
+// factors each block's scale and offset out of its dot product). Few rows (decode) stream the blocks;
+// many rows (prefill) dequantize the weight once into fp32 and run ATen's GEMM.
+#include "quant_gemm.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };   // GGML's type numbers
+
+int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: TORCH_CHECK(false, "quant_gemm: unknown block kind ", kind);
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// One block's 32 weights into w (portable; the reference the AVX2 variant rounds like).
+inline void dequant_block(int64_t kind, const uint8_t* b, float* w) {
+  const float d = half_at(b);
+  if (kind == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
+    return;
+  }
+  const float m = kind == kQ4_1 ? half_at(b + 2) : -8.0f * d;
+  const uint8_t* q = b + (kind == kQ4_1 ? 4 : 2);
+  for (int j = 0; j < 16; ++j) {
+    w[j] = std::fma(static_cast<float>(q[j] & 0x0F), d, m);
+    w[j + 16] = std::fma(static_cast<float>(q[j] >> 4), d, m);
+  }
+}
+
+struct Args {
+  const float* x;        // [rows, k]
+  const float* xsum;     // [rows, k / 32]: each block's activation sum (the AVX2 variant's offset term)
+  const uint8_t* w;      // [n, k / 32 * block_bytes]
+  float* out;            // [rows, n]
+  int64_t rows, n, k, kind, row_bytes;
+};
+
+constexpr int kTile = 4;   // activation rows sharing one dequantized block
+
+void rows_generic(const Args& a, int64_t begin, int64_t end) {
+  const int64_t nb = a.k / 32, bb = block_bytes(a.kind);
+  float w[32];
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = a.w + o * a.row_bytes;
+    for (int64_t r0 = 0; r0 < a.rows; r0 += kTile) {
+      const int64_t t = std::min<int64_t>(kTile, a.rows - r0);
+      float acc[kTile] = {0, 0, 0, 0};
+      for (int64_t b = 0; b < nb; ++b) {
+        dequant_block(a.kind, row + b * bb, w);
+        for (int64_t r = 0; r < t; ++r) {
+          const float* x = a.x + (r0 + r) * a.k + b * 32;
+          float s = 0;
+          for (int j = 0; j < 32; ++j) s += w[j] * x[j];
+          acc[r] += s;
+        }
+      }
+      for (int64_t r = 0; r < t; ++r) a.out[(r0 + r) * a.n + o] = acc[r];
+    }
+  }
+}
+
+// The 32 quants of a block as floats, unscaled: Q4 nibbles 0..15, Q8_0 int8.
+__attribute__((target("avx2,fma,f16c"))) inline void quants_avx2(int64_t kind, const uint8_t* b, __m256 q[4]) {
+  if (kind == kQ8_0) {
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
+    return;
+  }
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kind == kQ4_1 ? 4 : 2)));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Per block, sum_j x_j (d q_j + m) = d * (q . x) + m * sum(x): the dot product of the raw quants
+// is scaled once per block, and the offset term uses the block's activation sum (computed once
+// per call), so a weight costs one multiply-add instead of two.
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Args& a, int64_t begin, int64_t end) {
+  const int64_t nb = a.k / 32, bb = block_bytes(a.kind);
+  __m256 q[4];
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = a.w + o * a.row_bytes;
+    for (int64_t r0 = 0; r0 < a.rows; r0 += kTile) {
+      const int64_t t = std::min<int64_t>(kTile, a.rows - r0);
+      __m256 acc[kTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      float offset[kTile] = {0, 0, 0, 0};
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * bb;
+        quants_avx2(a.kind, blk, q);
+        const float ds = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));
+        const __m256 d = _mm256_set1_ps(ds);
+        const float m = a.kind == kQ4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2))
+                        : a.kind == kQ4_0 ? -8.0f * ds : 0.0f;
+        for (int64_t r = 0; r < t; ++r) {
+          const float* x = a.x + (r0 + r) * a.k + b * 32;
+          __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+          s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), s);
+          s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), s);
+          s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), s);
+          acc[r] = _mm256_fmadd_ps(d, s, acc[r]);
+          offset[r] = std::fma(m, a.xsum[(r0 + r) * nb + b], offset[r]);
+        }
+      }
+      for (int64_t r = 0; r < t; ++r) a.out[(r0 + r) * a.n + o] = hsum_avx2(acc[r]) + offset[r];
+    }
+  }
+}
+
+enum class Isa { kAuto, kAvx2, kGeneric };
+
+using RowsFn = void (*)(const Args&, int64_t, int64_t);
+
+RowsFn pick(Isa isa) {
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if ((isa == Isa::kAuto || isa == Isa::kAvx2) && avx2) return &rows_avx2;
+  TORCH_CHECK(isa != Isa::kAvx2, "quant_gemm: this CPU has no AVX2/FMA/F16C");
+  return &rows_generic;
+}
+
+void check(const at::Tensor& blocks, int64_t kind, int64_t k) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "quant_gemm: blocks must be a contiguous uint8 [out, bytes] tensor");
+  TORCH_CHECK(k % 32 == 0 && blocks.size(1) == k / 32 * block_bytes(kind),
+              "quant_gemm: ", blocks.size(1), " bytes per row do not hold ", k, " weights of kind ", kind);
+}
+
+}  // namespace
+
+// The plain fp32 [out, k] weight of packed `blocks`, exactly as the GEMMs below see it.
+at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
+  check(blocks, kind, k);
+  const int64_t n = blocks.size(0), nb = k / 32, bb = block_bytes(kind), rb = blocks.size(1);
+  auto out = at::empty({n, k}, at::kFloat);
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < nb; ++b) dequant_block(kind, w + r * rb + b * bb, o + r * k + b * 32);
+  });
+  return out;
+}
+
+at::Tensor quant_linear_isa(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                            const c10::optional<at::Tensor>& bias, int64_t dense_from_rows,
+                            const std::string& isa_name) {
+  TORCH_CHECK(isa_name == "auto" || isa_name == "avx2" || isa_name == "generic", "isa: auto, avx2 or generic");
+  const Isa isa = isa_name == "avx2" ? Isa::kAvx2 : isa_name == "generic" ? Isa::kGeneric : Isa::kAuto;
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_gemm: activations must be float32, got ", x.scalar_type());
+  const int64_t k = x.size(-1);
+  check(blocks, kind, k);
+  const int64_t n = blocks.size(0);
+  auto x2 = x.reshape({-1, k}).contiguous();
+  const int64_t rows = x2.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  if (dense_from_rows > 0 && rows >= dense_from_rows) {
+    // Prefill: dequantizing once and one GEMM beats re-reading the blocks per row tile.
+    auto w = quant_dequantize(blocks, kind, k);
+    auto y = bias.has_value() ? at::addmm(*bias, x2, w.t()) : at::mm(x2, w.t());
+    return y.view(shape);
+  }
+  auto out = at::empty({rows, n}, x.options());
+  auto xsum = x2.view({rows, k / 32, 32}).sum(-1).contiguous();
+  Args a{x2.data_ptr<float>(), xsum.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(),
+         rows, n, k, kind, blocks.size(1)};
+  const RowsFn fn = pick(isa);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
+  if (bias.has_value()) out.add_(*bias);
+  return out.view(shape);
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                        const c10::optional<at::Tensor>& bias, int64_t dense_from_rows) {
+  return quant_linear_isa(x, blocks, kind, bias, dense_from_rows, "auto");
+}

@@ -1,0 +1,155 @@
+"""QuantLinear and QuantEmbedding: layers that compute from GGUF's packed blocks (quant_gemm.cpp).
+
+Why: decode of one sequence reads every weight once per token, so its speed is the bytes read.
+The embedded model's Q4_1 blocks are 5 bits a weight against fp32's 32: kept packed, a token reads
+~6x fewer bytes, and the model's memory is about the GGUF file's size instead of 5x it.
+
+Which GEMM, by measurement (`python -m jupyter_pagedkv.bench single --gemms`: one activation row,
+the embedded model's 1536x576 gate projection, 2-core AVX2 EPYC, one thread, a loaded machine,
+2026-12-02): this kernel 1.9 ms median, oneDNN's fp32 GEMM on the dequantized weight 2.2 ms, torch's
+`_weight_int8pack_mm` 11.6 ms and `_weight_int4pack_mm_for_cpu` 25.4 ms (their fast paths want
+AVX-512). So a small C++ kernel here reads the blocks in place and multiplies each block's quants
+into fp32 sums. Activations are not quantized (llama.cpp quantizes them to 8 bits): the result is
+the dequantized model's GEMM up to fp32 rounding.
+
+Supported block types: Q4_0, Q4_1, Q8_0 (`SUPPORTED`). The weight is a uint8 buffer `blocks`
+[out_features, in_features / 32 * block bytes], not a parameter: nothing trains it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import format_bytes
+from .native_build import LazyModule
+
+# GGML's type numbers and bytes per block of 32 weights.
+SUPPORTED: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+# From this many activation rows on (a prefill chunk) the weight is dequantized once per call and
+# ATen's fp32 GEMM runs: re-reading the blocks per 4-row tile loses there.
+DENSE_FROM_ROWS = 16
+
+_EXTENSION = LazyModule("jupyter_pagedkv_quant_gemm",
+                        [Path(__file__).with_name(n) for n in ("quant_gemm_module.cpp", "quant_gemm.cpp")],
+                        "the packed-weight GEMM", "weights='dense'", ["-O3", "-ffp-contract=off", "-fopenmp"],
+                        ["-fopenmp"])
+
+
+def load_extension():
+    """The compiled kernel (built on first use; NativeBuildError says why not in one line)."""
+    return _EXTENSION.load()
+
+
+def block_kind(type_name: str) -> tuple[int, int]:
+    """(GGML type number, bytes per block) of a supported type name, else one line naming them."""
+    if type_name not in SUPPORTED:
+        raise ValueError(f"packed weights compute {', '.join(SUPPORTED)} blocks, not {type_name}: "
+                         f"load with weights='dense' (--weights dense)")
+    return SUPPORTED[type_name]
+
+
+class QuantLinear(nn.Module):
+    """`x @ W^T (+ bias)` with W held as GGUF blocks; fp32 in, fp32 out."""
+
+    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.kind, size = block_kind(type_name)
+        self.type_name = type_name
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] * 32 != in_features * size:
+            raise ValueError(f"{type_name} blocks for {in_features} inputs are [out, {in_features // 32 * size}] "
+                             f"uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.stack: QuantStack | None = None      # set when stacked with its siblings
+        self._ops = load_extension()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise RuntimeError(f"this layer's weights are packed {self.type_name} blocks computed in fp32 on "
+                               f"the CPU; it got a {x.dtype} input on {x.device}")
+        return self._ops.quant_linear(x, self.blocks, self.kind, self.bias, DENSE_FROM_ROWS)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 [out, in] weight this layer computes with."""
+        return self._ops.quant_dequantize(self.blocks, self.kind, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.type_name}"
+
+
+class QuantStack:
+    """Sibling layers reading one input (q/k/v, gate/up) whose blocks lie in one tensor, each
+    layer's buffer a row view of it: one kernel call computes them all, and memory holds them once."""
+
+    def __init__(self, members: list[QuantLinear]) -> None:
+        self.members = tuple(members)
+        self.blocks = torch.cat([m.blocks for m in members])
+        self.kind = members[0].kind
+        start = 0
+        for m in members:
+            m.blocks = self.blocks[start:start + m.out_features]
+            m.stack = self
+            start += m.out_features
+
+    @staticmethod
+    def of(linears: tuple[nn.Module, ...]) -> QuantStack | None:
+        """The stack that is exactly `linears`, in order, or None."""
+        stack = getattr(linears[0], "stack", None)
+        if stack is None or len(stack.members) != len(linears) or any(a is not b for a, b in zip(stack.members, linears)):
+            return None
+        return stack
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.members[0]._ops.quant_linear(x, self.blocks, self.kind, None, DENSE_FROM_ROWS)
+
+
+def stack_siblings(members: list[nn.Module]) -> QuantStack | None:
+    """Stack layers of one block type and no bias (others are left as they are)."""
+    if (all(isinstance(m, QuantLinear) and m.bias is None for m in members)
+            and len({(m.kind, m.in_features) for m in members}) == 1):
+        return QuantStack(members)
+    return None
+
+
+class QuantEmbedding(nn.Module):
+    """Rows of a packed table, dequantized as looked up (a tied output layer shares the blocks)."""
+
+    def __init__(self, blocks: torch.Tensor, type_name: str, embedding_dim: int) -> None:
+        super().__init__()
+        self.kind, _ = block_kind(type_name)
+        self.type_name = type_name
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.register_buffer("blocks", blocks.contiguous())
+        self._ops = load_extension()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))
+        return self._ops.quant_dequantize(rows, self.kind, self.embedding_dim).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={self.type_name}"
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model holds (parameters and buffers, shared ones once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def describe_blocks(model: nn.Module) -> str | None:
+    """'weights in GGUF blocks (Q4_1, Q8_0; 92.10 MiB)' for a model with packed layers, else None."""
+    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    if not layers:
+        return None
+    kinds = sorted({m.type_name for m in layers})
+    unique = {m.blocks.data_ptr(): m.blocks.nbytes for m in layers}
+    return f"weights in GGUF blocks ({', '.join(kinds)}; {format_bytes(sum(unique.values()))})"

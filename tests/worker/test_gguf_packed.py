@@ -1,0 +1,158 @@
+"""weights="packed": GGUF blocks kept packed and computed from (quant_gemm.cpp, quant_linear.py,
+gguf_packed.py), against gguf-py's own dequantization and transformers' dequantized model.
+
+Tolerance, and why: the kernel multiplies fp32 activations by each block dequantized in registers
+(no activation quantization), so the only difference from the dequantized model's GEMM is the
+order of fp32 sums (and one rounding of d * q + m instead of two). That is ~1e-6 relative per
+GEMM; through 30 layers the embedded model's logits (|logit| up to ~30) moved by < 1e-4 here, so
+the bound is 1e-3 absolute: far below the quantization's own error (Q4_1 steps are d ~ 1e-2 of a
+weight), far above fp32 reordering."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from jupyter_pagedkv.worker.quant_linear import SUPPORTED, QuantLinear, load_extension  # noqa: E402
+
+TYPES = [gguf.GGMLQuantizationType[name] for name in SUPPORTED]
+
+
+def blocks_of(weight: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed bytes, the fp32 weight they stand for) by gguf-py's own quantizer and dequantizer."""
+    packed = gguf.quants.quantize(weight, qtype)
+    return torch.from_numpy(packed.copy()), torch.from_numpy(gguf.quants.dequantize(packed, qtype).astype(np.float32))
+
+
+def isas() -> list[str]:
+    import re
+    flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
+    have = all(re.search(rf"\b{f}\b", flags) for f in ("avx2", "fma", "f16c"))
+    return ["generic"] + (["avx2"] if have else [])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 5, 40])
+def test_packed_gemm_equals_the_dequantized_weights_gemm(qtype, rows):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((70, 96)).astype(np.float32)
+    packed, plain = blocks_of(weight, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
+    expected = x.double() @ plain.double().T
+    ops = load_extension()
+    kind = SUPPORTED[qtype.name][0]
+    assert torch.equal(ops.quant_dequantize(packed, kind, 96), plain)       # the same weights, bit for bit
+    for isa in isas():
+        got = ops.quant_linear_isa(x, packed, kind, None, 0, isa)           # streaming the blocks
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+    dense = ops.quant_linear_isa(x, packed, kind, None, 1, "auto")          # dequantize once + ATen GEMM
+    torch.testing.assert_close(dense.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_quant_linear_adds_its_bias_and_keeps_leading_dims():
+    rng = np.random.default_rng(1)
+    packed, plain = blocks_of(rng.standard_normal((8, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+    bias = torch.arange(8, dtype=torch.float32)
+    layer = QuantLinear(packed, "Q4_1", 64, bias)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(layer(x), x @ plain.T + bias, atol=1e-4, rtol=1e-5)
+
+
+def test_an_unsupported_block_type_is_one_line_naming_the_supported_and_the_way_out():
+    with pytest.raises(ValueError) as err:
+        QuantLinear(torch.zeros(4, 210, dtype=torch.uint8), "Q6_K", 256)
+    message = str(err.value)
+    assert "\n" not in message and "Q4_0, Q4_1, Q8_0" in message and "weights='dense'" in message
+
+
+def _write_gguf(path, arch: str, qtype) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    shape = gguf.quants.quant_shape_to_byte_shape((4, 256), qtype)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros(shape, dtype=np.uint8), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_file_with_an_unsupported_block_type_is_refused_before_loading(tmp_path):
+    from jupyter_pagedkv.worker.gguf_packed import load_packed_model
+    path = tmp_path / "odd.gguf"
+    _write_gguf(path, "llama", gguf.GGMLQuantizationType.Q6_K)
+    with pytest.raises(ValueError, match=r"Q4_0, Q4_1, Q8_0 blocks, not Q6_K: load with weights='dense'"):
+        load_packed_model(path, tmp_path)
+
+
+def test_a_gguf_file_of_another_architecture_is_refused(tmp_path):
+    from jupyter_pagedkv.worker.gguf_packed import load_packed_model
+    path = tmp_path / "other.gguf"
+    _write_gguf(path, "gpt2", gguf.GGMLQuantizationType.Q4_1)
+    with pytest.raises(ValueError, match=r"is a gpt2 model; packed weights load llama GGUF files"):
+        load_packed_model(path, tmp_path)
+
+
+def test_packed_weights_need_fp32_on_the_cpu():
+    from jupyter_pagedkv.worker.loader import load_model
+    with pytest.raises(ValueError, match=r"computes in float32 on the CPU .* or use weights='dense'"):
+        load_model(None, torch.bfloat16, torch.device("cpu"), weights="packed")
+
+
+# -- the embedded model (slow: one packed load per module) -------------------------------------
+
+PROMPTS = ["The capital of France is", "Once upon a time, a small fox",
+           "def fibonacci(n):\n    ", "Water boils at a temperature of"]
+
+
+@pytest.fixture(scope="module")
+def packed_embedded():
+    from jupyter_pagedkv.worker.loader import load_model
+    loaded = load_model(None, torch.float32, torch.device("cpu"), weights="packed")
+    return loaded.model, loaded.tokenizer
+
+
+@pytest.mark.slow
+def test_the_embedded_model_holds_about_its_gguf_files_size(packed_embedded):
+    """Counted as the bytes of every tensor the model holds (storages, shared ones once): the
+    weights' resident memory, without the interpreter's and torch's own."""
+    from jupyter_pagedkv.worker.loader import embedded_gguf
+    from jupyter_pagedkv.worker.quant_linear import packed_bytes
+    model, _ = packed_embedded
+    assert packed_bytes(model) <= 1.5 * embedded_gguf().stat().st_size
+    assert model.lm_head.blocks.data_ptr() == model.model.embed_tokens.blocks.data_ptr()   # tied: one copy
+
+
+@pytest.mark.slow
+def test_packed_logits_match_transformers_dequantized_model(packed_embedded, embedded):
+    model, tokenizer = packed_embedded
+    reference, _ = embedded
+    agree = total = 0
+    for text in PROMPTS:
+        ids = torch.tensor([tokenizer(text).input_ids])
+        with torch.inference_mode():
+            continuation = reference.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=2)
+            ours, ref = model(continuation).logits[0], reference(continuation).logits[0]
+        assert (ours - ref).abs().max().item() < 1e-3
+        # Teacher-forced greedy agreement on the reference's own continuation.
+        picks, wanted = ours[ids.shape[1] - 1:-1].argmax(-1), continuation[0, ids.shape[1]:]
+        agree += int((picks == wanted).sum())
+        total += wanted.numel()
+    assert agree / total >= 0.95
+
+
+@pytest.mark.slow
+def test_an_engine_on_packed_weights_runs_the_lean_loop_and_matches_generate(packed_embedded, embedded,
+                                                                              make_engine):
+    from conftest import assert_same_or_near_tie, hf_greedy
+    from jupyter_pagedkv import SamplingParams
+    model, tokenizer = packed_embedded
+    reference, _ = embedded
+    engine = make_engine(model, tokenizer)
+    assert "lean loop" in engine.info().summary and "GGUF blocks (Q4_1, Q8_0" in engine.info().summary
+    prompts = [tokenizer(t).input_ids for t in PROMPTS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
+    identical = [assert_same_or_near_tie(reference, p, o.token_ids, hf_greedy(reference, p, 16, stop_at_eos=True))
+                 for p, o in zip(prompts, outs)]
+    assert sum(identical) >= len(prompts) - 1
