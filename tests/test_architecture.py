@@ -36,7 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "gpucheck": {"core", "config", "engine", "testing", "kernels", "worker.compat", "worker.step_timing",
                  "worker.kernels_bridge"},
     "bench": {"core", "config", "engine", "protocol", "sim", "widgets", "notebook", "testing", "gpucheck",
-              "kernels", "worker.packed_linear", "worker.kernels_bridge", "worker.step_timing", *HOST},
+              "kernels", "worker.packed_linear", "worker.quant_linear", "worker.kernels_bridge",
+              "worker.step_timing", *HOST},
     "docs": {"core", "engine", "notebook"},             # runs the transcripts the docs quote
     "__init__": {"core", "config", "engine", "decoding", "monitor", "widgets", "remote", "notebook"},
     "__main__": {"notebook", "sim", "bench", "remote"},
