@@ -29,7 +29,8 @@ LAYERS = [
 ]
 UPPER = {"protocol", "monitor", "widgets", "remote", "sim", "notebook", "bench", "docs"}
 # What only the engine (and the core it owns) may touch on an engine object.
-ENGINE_INTERNALS = {"_lock", "_requests", "scheduler", "pool", "runner", "speculator", "swap", "kv_cache"}
+ENGINE_INTERNALS = {"_lock", "_requests", "_scheduler", "_pool", "_runner", "_speculator", "_swap", "_kv_cache",
+                    "_stepping", "_inspection", "_config"}
 SCHEDULER_LISTS = {"running", "waiting", "swapped"}
 
 

@@ -35,7 +35,7 @@ def run_out(engine) -> dict[str, object]:
 
 
 def finished(engine, rid: str):
-    return next(r for r in engine.finished_requests if r.request_id == rid)
+    return next(r for r in engine._finished if r.request_id == rid)
 
 
 def assert_failed(engine, rid: str, error: type, reason: str = "error") -> None:
@@ -47,7 +47,7 @@ def assert_failed(engine, rid: str, error: type, reason: str = "error") -> None:
 
 def assert_exact(engine, rid: str, prompt: list[int]) -> None:
     assert finished(engine, rid).error is None
-    assert engine.outputs.output(finished(engine, rid)).token_ids == REFS[tuple(prompt)]
+    assert engine._outputs.output(finished(engine, rid)).token_ids == REFS[tuple(prompt)]
 
 
 def assert_clean_and_serving(engine) -> None:
@@ -81,7 +81,7 @@ def test_a_failing_forward_ends_the_steps_requests_and_not_the_waiting_one(make_
     a, b, c = (engine.add_request(p, GREEDY) for p in PROMPTS[:3])
     engine.step()                                       # a and b prefill; c waits for a seat
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 1, oom)
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 1, oom)
     with pytest.raises(torch.OutOfMemoryError):
         engine.step()
     for rid in (a, b):
@@ -100,7 +100,7 @@ def test_a_failing_sampler_ends_only_the_rows_it_was_sampling(make_engine):
     a = engine.add_request(PROMPTS[0], GREEDY)
     engine.step()                                       # a's prompt (< 16 tokens) computed
     b = engine.add_request(long_prompt, GREEDY)
-    engine.sampler = FailingSampler(engine.sampler)
+    engine._stepping.sampler = FailingSampler(engine._sampler)     # the sampler the step calls
     outputs = engine.step()                             # a samples (and fails); b's first chunk
     assert {o.request_id for o in outputs} == {a, b}
     assert_failed(engine, a, Boom)
@@ -175,7 +175,7 @@ def test_a_failing_detokenisation_ends_only_that_request(make_engine):
     run_out(engine)
     assert_failed(engine, a, UnicodeDecodeError)
     assert_exact(engine, b, PROMPTS[1])
-    engine.tokenizer = engine.outputs.tokenizer = None
+    engine.tokenizer = engine._outputs.tokenizer = None
     assert_clean_and_serving(engine)
 
 
@@ -204,7 +204,7 @@ def test_a_listener_whose_consumer_is_gone_ends_its_request(make_engine):
 
 def test_the_background_loop_dying_ends_every_live_request_and_a_restart_serves(make_engine):
     engine = make_engine(MODEL, block_size=4, max_num_seqs=1)
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 3, SystemExit("the loop's thread was told to exit"))
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 3, SystemExit("the loop's thread was told to exit"))
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
     engine.start()
     for rid in ids:
@@ -222,10 +222,10 @@ def test_the_background_loop_dying_ends_every_live_request_and_a_restart_serves(
 # -- Ctrl-C -----------------------------------------------------------------------------------------
 def test_ctrl_c_during_a_synchronous_generate_aborts_what_it_touched(make_engine):
     engine = make_engine(MODEL, block_size=4)
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 4, KeyboardInterrupt())
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 4, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         engine.generate(PROMPTS[:2], GREEDY)            # no background thread: this call steps
-    for req in list(engine.finished_requests)[-2:]:
+    for req in list(engine._finished)[-2:]:
         assert req.seqs[0].finish_reason == "abort" and 0 < req.seqs[0].num_output_tokens < NEW
     assert_clean_and_serving(engine)
 
@@ -236,7 +236,7 @@ def test_ctrl_c_during_a_long_prefill_leaves_a_waiting_request_exact(make_engine
     victim = engine.add_request(long_prompt, GREEDY)
     waiting = engine.add_request(PROMPTS[2], GREEDY)    # no seat until the victim is gone
     engine.step()                                       # the victim's first 32 tokens
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 1, KeyboardInterrupt())
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 1, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         engine.step()                                   # its second chunk is cut short
     assert_failed(engine, victim, KeyboardInterrupt, reason="abort")
@@ -248,14 +248,14 @@ def test_ctrl_c_during_a_long_prefill_leaves_a_waiting_request_exact(make_engine
 def test_ctrl_c_during_beam_search_returns_every_beam_block(make_engine):
     engine = make_engine(MODEL, block_size=4)
     plain = engine.add_request(PROMPTS[1], GREEDY)
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 5, KeyboardInterrupt())
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 5, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=10))
-    beam = [r for r in engine.finished_requests if r.beam is not None][0]
+    beam = [r for r in engine._finished if r.beam is not None][0]
     assert all(s.is_finished for s in beam.seqs)
     run_out(engine)
     assert_clean_and_serving(engine)
-    assert plain in {r.request_id for r in engine.finished_requests}
+    assert plain in {r.request_id for r in engine._finished}
 
 
 def test_ctrl_c_during_speculation_keeps_the_engine_exact(make_engine):
@@ -263,7 +263,7 @@ def test_ctrl_c_during_speculation_keeps_the_engine_exact(make_engine):
     prompts = [p + p for p in PROMPTS[:2]]             # repetition: the n-gram drafter proposes
     for p in prompts:
         REFS.setdefault(tuple(p), hf_greedy(MODEL, p, NEW, stop_at_eos=False))
-    fail_on_call(engine.runner, "execute", lambda i, chunks, *a: any(c.num_logits > 1 for c in chunks),
+    fail_on_call(engine._runner, "execute", lambda i, chunks, *a: any(c.num_logits > 1 for c in chunks),
                  KeyboardInterrupt())
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     with pytest.raises(KeyboardInterrupt):
@@ -275,7 +275,7 @@ def test_ctrl_c_during_speculation_keeps_the_engine_exact(make_engine):
 
 def test_ctrl_c_during_a_swap_fails_the_swapped_sequence_and_keeps_the_rest_exact(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=14, preemption_mode="swap", swap_space="4MiB")
-    fail_on_call(engine.kv_cache, "swap_out", lambda i, pairs: bool(pairs), KeyboardInterrupt())
+    fail_on_call(engine._kv_cache, "swap_out", lambda i, pairs: bool(pairs), KeyboardInterrupt())
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
     with pytest.raises(KeyboardInterrupt):
         run_out(engine)
@@ -285,10 +285,10 @@ def test_ctrl_c_during_a_swap_fails_the_swapped_sequence_and_keeps_the_rest_exac
     for rid, p in zip(ids, PROMPTS):
         if rid not in aborted:
             assert_exact(engine, rid, p)
-    assert engine.swap.num_used == 0
+    assert engine._swap.num_used == 0
     assert_clean_and_serving(engine)
 
 
 def finished_with_error(engine, rid: str) -> bool:
-    req = next((r for r in engine.finished_requests if r.request_id == rid), None)
+    req = next((r for r in engine._finished if r.request_id == rid), None)
     return req is not None and req.error is not None
