@@ -69,8 +69,8 @@ class Engine(GenerationFront):
         self._vocab_size = text.vocab_size
         # The probe finds what the cache must hold (and refuses a model it cannot serve exactly).
         seen = check_servable(model, self.name)
-        self._spec = KVSpec(text.num_hidden_layers, seen.num_kv_heads, seen.head_dim, self.dtype)
-        num_blocks = setup.num_blocks(config, self._spec, self.device)
+        spec = KVSpec(text.num_hidden_layers, seen.num_kv_heads, seen.head_dim, self.dtype)
+        num_blocks = setup.num_blocks(config, spec, self.device)
         paged = config.allocator == "paged"
         # The contiguous baseline shares nothing, so it caches no prefix either.
         self._pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching and paged)
@@ -87,7 +87,7 @@ class Engine(GenerationFront):
         except BaseException:
             packed.release(restore=not owns_model)
             raise
-        self._kv_cache = KVCache(self._spec, num_blocks, config.block_size, self.device, scratch=plan.pads_decode)
+        self._kv_cache = KVCache(spec, num_blocks, config.block_size, self.device, scratch=plan.pads_decode)
         self._swap = setup.swap_space(config.swap_space, self._kv_cache) if config.preemption_mode == "swap" else None
         self._scheduler = Scheduler(self._pool, config.max_num_seqs, config.max_num_batched_tokens,
                                     swap=self._swap, arena=None if paged else ContiguousArena(self._pool),
@@ -299,16 +299,8 @@ class Engine(GenerationFront):
         decode bucket's CUDA graph (graphs on), each verified against the eager step, so that no
         request pays for a compile or a capture; returns how many verified graphs the engine holds
         (0 without graphs, or once a mismatch turned them off), however many calls captured them."""
-        with self._lock, torch.inference_mode(), self._runner.on_device():
-            if self._runner.backend == "triton" and self.device.type == "cuda" and not self._warmed_kernels:
-                from ..worker.kernels_bridge import warm_up_model_kernels
-                self._warmed_kernels[:] = warm_up_model_kernels(self.model, self._spec, self.block_size,
-                                                                self._kv_cache, self.device)
-            padded = self._runner.padded
-            if padded is None or not padded.capture:
-                return 0
-            padded.capture_all()
-            return padded.num_verified if padded.capture else 0
+        with self._lock:
+            return self._runner.warm_up(self._warmed_kernels)
 
     # -- background stepping ------------------------------------------------------------------------
     @property

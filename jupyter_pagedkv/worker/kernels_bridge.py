@@ -107,7 +107,7 @@ def warm_up_kernels(kv_spec, num_heads: int, block_size: int, window: int | None
     return kernel_module("variants").warm_up(shape, device)
 
 
-def warm_up_model_kernels(model, kv_spec, block_size: int, kv_cache, device: torch.device) -> list[str]:
+def warm_up_model_kernels(model, kv_cache, device: torch.device) -> list[str]:
     """`warm_up_kernels` for each window the model's layers use (None: unwindowed), then
     copy_blocks once on the real cache, whose layer stride alone may need 64 bits."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -117,7 +117,7 @@ def warm_up_model_kernels(model, kv_spec, block_size: int, kv_cache, device: tor
         windows.add(getattr(text, "sliding_window", None))
     windows = {w if isinstance(w, int) and w > 0 else None for w in windows} | {None}
     roles = [role for w in sorted(windows, key=lambda w: w or 0)
-             for role in warm_up_kernels(kv_spec, text.num_attention_heads, block_size, w, device)]
+             for role in warm_up_kernels(kv_cache.spec, text.num_attention_heads, kv_cache.block_size, w, device)]
     copy_blocks_triton(kv_cache.k, kv_cache.v, [(0, 0)])    # block 0 onto itself: no change
     return roles + ["copy_blocks on the cache"]
 

@@ -82,6 +82,19 @@ class ModelRunner:
         self.h2d_copies = 0            # host -> device copies of step inputs (counted on the Triton path)
         self.last_h2d_copies: int | None = None
 
+    def warm_up(self, warmed: list[str]) -> int:
+        """Compile every Triton kernel variant (CUDA; their roles go into `warmed`, once), then
+        capture and verify every decode bucket's CUDA graph; returns how many verified graphs the
+        runner holds (0 without graphs, or once a mismatch turned them off)."""
+        with torch.inference_mode(), self.on_device():
+            if self.backend == "triton" and self.device.type == "cuda" and not warmed:
+                from .kernels_bridge import warm_up_model_kernels
+                warmed[:] = warm_up_model_kernels(self.model, self.kv_cache, self.device)
+            if self.padded is None or not self.padded.capture:
+                return 0
+            self.padded.capture_all()
+            return self.padded.num_verified if self.padded.capture else 0
+
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], dict]:
         """Order chunks decode-first and build the model inputs plus the shared PagedMetadata."""
         step = StepLayout.of(chunks, self.kv_cache.block_size)

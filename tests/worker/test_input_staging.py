@@ -95,7 +95,6 @@ def test_the_engine_warms_every_kernel_variant_for_its_layers_with_and_without_t
     # On CUDA `Engine.__init__` does this; here the same launches run in Triton's interpreter.
     engine = make_engine(tiny_model("mistral-window48"), block_size=16, attention_backend="triton")
     from jupyter_pagedkv.worker.kernels_bridge import warm_up_model_kernels
-    roles = warm_up_model_kernels(engine.model, engine._kv_cache.spec, engine.block_size, engine._kv_cache,
-                                  engine.device)
+    roles = warm_up_model_kernels(engine.model, engine._kv_cache, engine.device)
     once = ["decode", "decode split", "merge", "prefill", "prefill split", "write_kv", "copy_blocks"]
     assert roles == once + once + ["copy_blocks on the cache"]   # unwindowed layers, windowed ones, the real cache
