@@ -52,7 +52,8 @@ class Engine(GenerationFront):
     """A paged KV-cache engine over an unmodified Hugging Face causal LM.
 
     `Engine(model, tokenizer, config=None, **options)`: options are `EngineConfig` fields and
-    override `config`'s (an unknown one is a TypeError). Its parts are private; `Stepping` steps
+    override `config`'s (an unknown one is a TypeError); `dtype_reason` is why the model has its
+    dtype (from_pretrained's "auto: ..." choice, which info() prints). Its parts are private; `Stepping` steps
     them and `EngineInspection` reads them, each given the very objects it uses."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
@@ -63,7 +64,6 @@ class Engine(GenerationFront):
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.dtype_reason = dtype_reason                     # from_pretrained says how it chose
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", None) or 4096
         self._vocab_size = text.vocab_size
