@@ -50,8 +50,8 @@ UPPER = {"protocol", "monitor", "widgets", "remote", "sim", "notebook", "bench",
 # What only the engine (and the core it owns) may touch on an engine object; `live_requests()`
 # hands out live Requests, whose Sequences the stepping thread changes (front ends read
 # `block_tables()`, a copy).
-ENGINE_INTERNALS = {"_lock", "_requests", "scheduler", "pool", "runner", "speculator", "swap", "kv_cache",
-                    "live_requests"}
+ENGINE_INTERNALS = {"_lock", "_requests", "_scheduler", "_pool", "_runner", "_speculator", "_swap", "_kv_cache",
+                    "_stepping", "_inspection", "_config", "live_requests"}
 SCHEDULER_LISTS = {"running", "waiting", "swapped"}
 
 

@@ -146,6 +146,9 @@ class ContiguousKVCacheManager(KVCacheManager):
     def free_runs(self) -> tuple[int, ...]:
         return tuple(self.arena.free_runs())
 
+    def refusals(self) -> tuple[int, int]:
+        return self.arena.num_refused, self.arena.num_refused_external
+
     def computed_blocks(self, seq: Sequence, budget: int) -> Admission:
         start = seq.num_computed_tokens
         need = self.blocks_wanted(seq)

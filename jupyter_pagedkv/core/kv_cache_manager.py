@@ -81,6 +81,11 @@ class KVCacheManager(ABC):
         """Lengths of the runs of adjacent free blocks, when placement needs runs (else None)."""
         return None
 
+    def refusals(self) -> tuple[int, int]:
+        """(admissions refused for want of a placement, of them with enough blocks free in total):
+        what external fragmentation costs. Only a manager that places runs can refuse that way."""
+        return 0, 0
+
     # -- one step ---------------------------------------------------------------------------------
     def begin_step(self) -> None:
         """A new schedule starts: forget what the last step's chunks offered (`offer`)."""

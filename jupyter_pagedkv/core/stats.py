@@ -77,6 +77,10 @@ class EngineStats:
     # Per tenant (the unnamed tenant as UNNAMED), once any request named one or a tenant was set.
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     scheduling_policy: str = "fcfs"
+    # The contiguous baseline's admissions refused for want of a run of adjacent free blocks, and
+    # of them those refused although enough blocks were free in total (external fragmentation).
+    num_refused_admissions: int = 0
+    num_refused_external: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -327,6 +331,7 @@ def engine_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters
                     spec_acceptance_rate=speculative.acceptance_rate,
                     spec_mean_accepted_length=speculative.mean_accepted_length)
     num_free = n - pool.num_used - pool.num_cached
+    refused, refused_external = scheduler.kv.refusals()
     states = {"free": num_free, "cached": pool.num_cached, "used": pool.num_used - pool.num_shared,
               "shared": pool.num_shared}
     return EngineStats(
@@ -343,7 +348,7 @@ def engine_stats(pool: BlockPool, scheduler: Scheduler, counters: EngineCounters
         num_padded_steps=padded.num_steps if padded is not None else 0,
         num_graph_replays=padded.num_replays if padded is not None else 0,
         num_swap_outs=scheduler.num_swap_outs, tenants=tenants, scheduling_policy=scheduler.tenancy.policy,
-        **spec)
+        num_refused_admissions=refused, num_refused_external=refused_external, **spec)
 
 
 def block_state(block) -> str:

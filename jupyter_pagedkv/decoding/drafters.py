@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 
 from ..worker.kv_cache import KVCache, KVSpec
-from ..worker.model_runner import ModelRunner
+from ..worker.model_runner import ModelRunner, RunnerConfig, prepare_model
+from ..worker.plan import PlanOptions, plan_execution
 from ..worker.sampler import Sampler
 from ..core.scheduler import ScheduledChunk
 from ..core.sequence import Sequence
@@ -111,8 +112,11 @@ class DraftModelDrafter:
         dtype = next(model.parameters()).dtype
         self.kv_cache = KVCache(KVSpec.from_config(model.config, dtype), num_blocks, block_size, device)
         self.owns_model = owns_model
-        self.runner = ModelRunner(model, self.kv_cache, device, backend, pack_weights,
-                                  hold_weights=pack_weights and hold_weights)
+        # Its own plan, as an engine's (the same defaults), but never graphs: drafts are not padded.
+        packed = prepare_model(model, device, pack_weights, pack_weights and hold_weights)
+        plan, kernels = plan_execution(PlanOptions(attention_backend=backend, cuda_graphs=False), model, device,
+                                       dtype, self.kv_cache.spec.head_dim, packed)
+        self.runner = ModelRunner(model, self.kv_cache, RunnerConfig(device, plan, kernels, packed))
         self.generator = torch.Generator(device=device)
         if seed is not None:
             self.generator.manual_seed(seed)

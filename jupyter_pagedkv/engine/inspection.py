@@ -1,24 +1,57 @@
 """EngineInspection: what monitors, tables and status lines read off an engine, each under the
 engine's lock so that it describes one instant: gauges (`core.stats`, the one place they are
-computed), pool snapshots, the monitor feed's observations, request rows, the engine's identity,
-the invariants; plus the listener hooks monitors wake on."""
+computed), pool snapshots, the monitor feed's observations, request rows, the engine's identity
+and execution plan, the invariants; plus the listener hooks monitors wake on."""
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import torch
+
 from ..config import format_bytes
+from ..core.block_pool import BlockPool
 from ..core.invariants import check_invariants
-from ..core.stats import EngineStats, engine_stats, pool_snapshot
+from ..core.scheduler import Scheduler
+from ..core.stats import EngineCounters, EngineStats, engine_stats, pool_snapshot
+from ..core.swap_space import SwapSpace
+from ..decoding.speculative import Speculator
+from ..worker.kv_cache import KVCache
+from ..worker.model_runner import ModelRunner
+from ..worker.plan import Decision
 from ..worker.quant_linear import describe_blocks
-from . import extensions
 from .block_tables import SeqBlocks, block_tables
 from .outputs import EngineInfo, Observation, QueueHead, RequestRow
 from .request import Request
 
 
+@dataclass(eq=False)
 class EngineInspection:
-    """Mixed into `Engine`; reads the pool, scheduler, counters and requests it owns."""
+    """Reads the engine's parts, given explicitly (the same objects the engine steps); the
+    identity fields (name ... dtype_reason) describe the engine for `info()`."""
+
+    _lock: threading.RLock
+    pool: BlockPool
+    scheduler: Scheduler
+    counters: EngineCounters
+    swap: SwapSpace | None
+    speculator: Speculator
+    runner: ModelRunner
+    kv_cache: KVCache
+    _requests: dict[str, Request]
+    finished_requests: deque[Request]
+    _step_listeners: list[Callable[[], None]]
+    _shutdown_listeners: list[Callable[[], None]]
+    warmed_kernels: list[str]           # Triton variants launched by warm_up (filled in place)
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    dtype_reason: str
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -87,6 +120,7 @@ class EngineInspection:
             return QueueHead(seq.request_id, sched.kv.blocks_wanted(seq), sched.kv.num_free, sched.kv.free_runs())
 
     def info(self) -> EngineInfo:
+        """What the engine is: its model, KV geometry and execution plan, in one summary line."""
         dtype = str(self.dtype).replace("torch.", "")
         n, bs, kv = self.pool.num_blocks, self.block_size, self.kv_cache
         packed = self.runner.packed
@@ -96,14 +130,15 @@ class EngineInspection:
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
                    + (f", {gguf_blocks}" if (gguf_blocks := describe_blocks(self.runner.model)) else "")
                    + _step_loop(self.runner.lean)
-                   + (f", {self.runner.prefill_kind}" if self.device.type == "cpu" else "")
+                   + (f", {_prefill_phrase(self.runner.plan.prefill_attention)}" if self.device.type == "cpu" else "")
                    + (f", {len(self.warmed_kernels)} Triton kernel launches warmed up" if self.warmed_kernels else "")
                    + _decode_steps(self.runner.padded, self.device.type, self.runner.backend)
                    + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
                       if self.dtype_reason.startswith("auto: ") else ""))
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,
                           prefix_caching=self.pool.enable_prefix_caching, max_model_len=self.max_model_len,
-                          swap_blocks=self.swap.num_slots if self.swap is not None else 0)
+                          swap_blocks=self.swap.num_slots if self.swap is not None else 0,
+                          plan=self.runner.plan.lines())
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` after every step, in the stepping thread: monitors wake on it instead
@@ -121,15 +156,6 @@ class EngineInspection:
         with self._lock:
             self._shutdown_listeners.append(listener)
 
-    @property
-    def monitor_feed(self):
-        """The one MonitorFeed of this engine (created on first use), shared by every monitor."""
-        return extensions.create("monitor_feed", self)
-
-    def monitor(self, **kwargs):
-        """The live block-pool widget (anywidget); display it in a notebook cell."""
-        return extensions.create("monitor", self, **kwargs)
-
     def check_invariants(self) -> None:
         """Assert the invariants of docs/design.md; an AssertionError names the broken one."""
         with self._lock:
@@ -144,6 +170,14 @@ def _packing_cost(packed) -> str:
     """'held once' or what the packed copies cost beside the plain weights."""
     extra = packed.extra_bytes
     return f"+{format_bytes(extra)} beside the plain weights" if extra else "each weight held once"
+
+
+def _prefill_phrase(decision: Decision) -> str:
+    """How the summary line has always named prefill attention on the CPU."""
+    if decision.choice == "native":
+        return "prefill attention in C++ (prefill_attention.cpp)"
+    return "prefill attention by torch's SDPA" + ("" if decision.reason == "prefill_attention='torch'"
+                                                  else f" ({decision.reason})")
 
 
 def _decode_steps(padded, device: str, backend: str) -> str:

@@ -142,6 +142,7 @@ class EngineInfo:
     prefix_caching: bool | None = None
     max_model_len: int | None = None
     swap_blocks: int = 0               # host slots for swapped-out blocks (swap preemption)
+    plan: tuple[str, ...] = ()         # the execution plan, one "role: choice (why)" per line (local engines)
 
 
 @dataclass

@@ -62,11 +62,3 @@ def eos_token_ids(model, tokenizer) -> set[int]:
         elif source:
             ids.update(source)
     return ids
-
-
-def use_cuda_graphs(requested: bool | None, device: torch.device, backend: str) -> bool:
-    """CUDA graphs by default where they can run (CUDA, Triton backend: the torch path reads
-    lengths on the host); `True` insists (PaddedDecode refuses what cannot run), `False` is off."""
-    if requested is None:
-        return device.type == "cuda" and backend == "triton"
-    return requested

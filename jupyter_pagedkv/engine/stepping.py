@@ -1,6 +1,6 @@
-"""Stepping: one engine iteration (schedule, forward, verify drafts, sample, publish) and what
-happens when part of it fails. Mixed into `Engine`, whose lock, scheduler, runner, speculator,
-sampler and output processor it drives.
+"""Stepping: one engine iteration (schedule, forward, verify drafts, sample, publish) and how a
+request ends (finished, aborted, failed). A collaborator of `Engine`, which hands it its lock,
+scheduler, runner, speculator, sampler, output processor, counters and request tables.
 
 Failures end only the requests they touch: a forward that raises ends the step's requests (their
 KV is incomplete) and re-raises; so does scheduling that fails part-way (an allocation: the plan's
@@ -15,24 +15,49 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..core.scheduler import SampledTokens, SchedulerOutput
+from ..core.scheduler import SampledTokens, Scheduler, SchedulerOutput, StepRecord
 from ..core.sequence import Sequence
+from ..core.stats import EngineCounters
+from ..decoding.speculative import Speculator
+from ..worker.model_runner import ModelRunner
+from ..worker.sampler import Sampler
 from ..worker.step_timing import StepTiming
 from .forks import advance_beams, fork_samples
 from .logprobs import StepLogprobs, add_prompt_logprobs, mark_prompt_rows
+from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Stepping:
+    """Steps the engine's parts, given explicitly; the two tables are the engine's own objects
+    (live requests by id, the last finished ones), shared, so both see one state under `_lock`."""
+
+    _lock: threading.RLock
+    scheduler: Scheduler
+    runner: ModelRunner
+    speculator: Speculator
+    sampler: Sampler
+    outputs: OutputProcessor
+    counters: EngineCounters
+    _requests: dict[str, Request]
+    finished_requests: deque[Request]
+    _step_listeners: list[Callable[[], None]]
+    device: torch.device
+    trace: list[StepRecord] | None = None            # [] records every step's schedule
+    step_timings: list[StepTiming] | None = None     # [] times every step's phases
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return outputs of requests that advanced.
 
@@ -227,7 +252,20 @@ class Stepping:
             started - t0, r.last_prepare_s, r.last_forward_s, r.clock.device_seconds(),
             now - launched, t1 - now, t1 - t0, r.last_h2d_copies, mask_s))
 
-    # -- failures ---------------------------------------------------------------------------------
+    # -- how requests end ---------------------------------------------------------------------------
+    def _finish_request(self, req: Request, now: float) -> None:
+        self._requests.pop(req.request_id, None)
+        self.finished_requests.append(req)
+        self.counters.record_finish(req.tenant)
+        self.outputs.finish(req, now)
+
+    def abort(self, req: Request) -> None:
+        """End a live request now (finish reason "abort") and return its blocks; under `_lock`."""
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self._finish_request(req, time.perf_counter())
+
     def _fail(self, reqs: list[Request | None], err: BaseException) -> None:
         """End these requests because of `err`: finish reason "error" ("abort" for Ctrl-C), the
         exception attached, logged once with the request id; every block they held returns."""
@@ -248,7 +286,7 @@ class Stepping:
         except AttributeError:
             pass
 
-    def _loop_died(self, err: BaseException) -> None:
+    def loop_died(self, err: BaseException) -> None:
         """The background loop is gone: nobody steps the live requests, so they end now."""
         with self._lock:
             self._fail(list(self._requests.values()), err)

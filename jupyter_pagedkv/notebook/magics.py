@@ -121,8 +121,10 @@ class PagedKVMagics(Magics):
         if s.engine is None:
             print(NO_ENGINE)
             return
-        e = s.engine
-        print(s.summary_line())
+        e, info = s.engine, s.engine.info()
+        print(info.summary)
+        if info.plan:           # a local engine: which code runs its steps, and why
+            print("execution plan:\n" + "\n".join(f"  {line}" for line in info.plan))
         print(e.stats().summary())
         print(f"engine thread: {'running' if e.is_running else 'stopped'}; background jobs: "
               f"{len(s.live_jobs())} running; chat sessions: {len(s.chats)}")

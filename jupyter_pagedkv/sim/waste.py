@@ -116,7 +116,7 @@ class WasteMeter(StepObserver):
     waiting time counted in engine steps, which a deterministic run repeats exactly."""
 
     def __post_init__(self) -> None:
-        self.label = self.label or getattr(self.engine, "allocator", "paged")
+        self.label = self.label or getattr(getattr(self.engine, "config", None), "allocator", "paged")
         info = self.engine.info()               # the pool's geometry is fixed: read it once
         self._block_size, self._num_blocks = info.block_size, info.num_blocks
 

@@ -271,7 +271,7 @@ def _check_toy(engine: Any, allocator: str) -> None:
     """The story's events are timed for this pool: refuse any other rather than draw a different one."""
     info = engine.info()
     if ((info.num_blocks, info.block_size) != (TOY_BLOCKS, TOY_BLOCK_SIZE) or engine.has_unfinished_requests()
-            or engine.is_running or getattr(engine, "allocator", "paged") != allocator
+            or engine.is_running or getattr(getattr(engine, "config", None), "allocator", "paged") != allocator
             or (allocator == "paged" and not info.prefix_caching)):
         raise ValueError(f"this run needs an idle, stopped {allocator} engine of {TOY_BLOCKS} blocks x "
                          f"{TOY_BLOCK_SIZE} tokens{' with prefix caching' * (allocator == 'paged')} "

@@ -1,4 +1,5 @@
-"""The engine's door to the Triton kernels: backend choice and `PagedMetadata` adapters.
+"""The engine's door to the Triton kernels: where they can run, and `PagedMetadata` adapters
+(which backend runs is worker/plan.py's decision).
 
 The kernels live in `kernels/` at the repository root and install as `jupyter_pagedkv_kernels`.
 From a plain source checkout (nothing installed) that name is not importable, so `load_kernels`
@@ -18,8 +19,6 @@ from types import ModuleType
 import torch
 
 KERNELS_PACKAGE = "jupyter_pagedkv_kernels"
-BACKEND_ENV = "JUPYTER_PAGEDKV_BACKEND"     # "auto" (default), "triton" or "torch"
-BACKENDS = ("auto", "triton", "torch")
 
 
 def load_kernels() -> ModuleType:
@@ -64,22 +63,6 @@ def triton_available(device: torch.device | str) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(device: torch.device | str, requested: str | None = None) -> str:
-    """The attention backend for `device`: `requested` (or $JUPYTER_PAGEDKV_BACKEND, default
-    "auto"). "auto" is Triton on CUDA and torch elsewhere; "triton"/"torch" force one, and forcing
-    Triton where it cannot run is an error rather than a silent fallback."""
-    choice = requested or os.environ.get(BACKEND_ENV) or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {BACKENDS}, got {choice!r}")
-    device = torch.device(device)
-    if choice == "auto":
-        return "triton" if device.type == "cuda" and triton_available(device) else "torch"
-    if choice == "triton" and not triton_available(device):
-        raise RuntimeError(f"the Triton backend cannot run on {device} (no CUDA, or no Triton; "
-                           "on the CPU set TRITON_INTERPRET=1 before importing triton)")
-    return choice
-
-
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta, scale: float, window: int | None) -> torch.Tensor:
     """`q [T, heads, head_dim]` over one layer's cache, described by a `PagedMetadata`."""
@@ -122,6 +105,21 @@ def warm_up_kernels(kv_spec, num_heads: int, block_size: int, window: int | None
     else compiled: every per-step value is an unspecialised runtime argument (paged_attention.py)."""
     shape = _attention_shape(kv_spec, num_heads, block_size, window)
     return kernel_module("variants").warm_up(shape, device)
+
+
+def warm_up_model_kernels(model, kv_cache, device: torch.device) -> list[str]:
+    """`warm_up_kernels` for each window the model's layers use (None: unwindowed), then
+    copy_blocks once on the real cache, whose layer stride alone may need 64 bits."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    # Layers pass their window as an attribute (Qwen2, Gemma) or from the config (Mistral).
+    windows = {getattr(m, "sliding_window", None) for m in model.modules() if hasattr(m, "layer_idx")}
+    if getattr(text, "use_sliding_window", True) is not False:
+        windows.add(getattr(text, "sliding_window", None))
+    windows = {w if isinstance(w, int) and w > 0 else None for w in windows} | {None}
+    roles = [role for w in sorted(windows, key=lambda w: w or 0)
+             for role in warm_up_kernels(kv_cache.spec, text.num_attention_heads, kv_cache.block_size, w, device)]
+    copy_blocks_triton(kv_cache.k, kv_cache.v, [(0, 0)])    # block 0 onto itself: no change
+    return roles + ["copy_blocks on the cache"]
 
 
 if __name__ == "__main__":      # from a source checkout: python -m jupyter_pagedkv.worker.kernels_bridge --smoke

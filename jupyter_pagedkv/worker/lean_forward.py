@@ -25,7 +25,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .attention import PagedMetadata, paged_attention
+from .attention import paged_attention
+from .paged_metadata import PagedMetadata
 from .native_decode import NativeDecode
 from .packed_linear import PackedLinears
 from .quant_linear import QuantLinear

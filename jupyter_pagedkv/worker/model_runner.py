@@ -4,104 +4,98 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..core.scheduler import ScheduledChunk
-from .attention import ATTN_IMPLEMENTATION, PagedMetadata, PrefillChunk, additive_mask
-from . import lean_forward
-from . import prefill_attention as prefill_kernel
+from .attention import ATTN_IMPLEMENTATION
+from .paged_metadata import PagedMetadata, PrefillChunk, additive_mask
 from .input_staging import InputStaging
 from .kv_cache import KVCache
 from .lean_forward import LeanForward
-from .native_decode import NativeDecode, decode_attention_kernel
 from .packed_linear import PackedLinears, pack_linears, packed_gemms
 from .padded_decode import PaddedDecode
+from .plan import ExecutionPlan, Kernels
 from .step_timing import ForwardClock
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
-    """Packs the step's chunks into `[1, num_tokens]` (decodes first), runs the unmodified HF model
-    with our attention, and returns logits only for chunks that end at their sequence's last token."""
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """What a runner is given besides the model and its cache: the plan and what it loaded."""
 
-    def __init__(self, model, kv_cache: KVCache, device: torch.device, backend: str = "torch",
-                 pack_weights: bool = False, padded: PaddedDecode | None = None,
-                 hold_weights: bool = False, step_loop: str = "auto", prefill_attention: str = "auto",
-                 decode_attention: str = "auto") -> None:
+    device: torch.device
+    plan: ExecutionPlan
+    kernels: Kernels = Kernels()
+    packed: PackedLinears = field(default_factory=PackedLinears)   # from `prepare_model`
+    padded: PaddedDecode | None = None      # decode-only steps in bucket shapes (plan.decode_steps)
+
+
+def prepare_model(model, device: torch.device, pack: bool, hold_weights: bool = False) -> PackedLinears:
+    """Give the model our attention and, with `pack`, its CPU GEMMs on weights packed once
+    (packed_linear.py; with `hold_weights` the packed copies replace the plain ones). Done before
+    the plan, which proves the lean loop under these very GEMMs."""
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    packed = pack_linears(model, hold_weights) if pack else PackedLinears()
+    if packed.layers:
+        _learn_packing(model, packed, device)
+    return packed
+
+
+def _learn_packing(model, packed: PackedLinears, device: torch.device) -> None:
+    """Run one token through the model now, so that learning which layers share an input (and
+    stacking their packed weights, ~0.3 s for the embedded model) is not paid by the first
+    request's TTFT. Our attention falls back to plain SDPA without paged metadata."""
+    try:
+        with torch.inference_mode(), packed_gemms(packed):
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    except Exception as err:    # a model that needs more than input_ids: it learns on its first step
+        logger.info("packed GEMMs: the model did not run on one token (%s: %s); they are learned "
+                    "on its first step instead", type(err).__name__, err)
+        packed.learned = False
+
+
+class ModelRunner:
+    """Packs the step's chunks into `[1, num_tokens]` (decodes first), runs them the way the
+    engine's ExecutionPlan says, and returns logits only for chunks that end at their sequence's
+    last token."""
+
+    def __init__(self, model, kv_cache: KVCache, config: RunnerConfig) -> None:
         self.model = model
-        self.padded = padded          # decode-only steps in bucket shapes (CUDA graphs on a GPU)
         self.kv_cache = kv_cache
-        self.device = device
-        self.backend = backend
+        self.plan = config.plan
+        self.device = config.device
+        self.backend = config.plan.backend.choice
+        self.packed = config.packed
+        self.padded = config.padded
+        self.lean: LeanForward | None = config.kernels.lean
+        # Given to every step, whichever loop runs it, so decode rows are attended by one code.
+        self.decode_kernel = config.kernels.decode
+        self.prefill_kernel = config.kernels.prefill
         self.last_forward_s = 0.0      # host wall time of the last model call
         self.last_prepare_s = 0.0      # block copies, swaps and input building before it
-        self.clock = ForwardClock(device)
+        self.clock = ForwardClock(self.device)
         # The Triton path's inputs reach the device in one copy a step, into buffers that persist.
-        self.staging = InputStaging(device) if backend == "triton" else None
+        self.staging = InputStaging(self.device) if self.backend == "triton" else None
         self.h2d_copies = 0            # host -> device copies of step inputs (counted on the Triton path)
         self.last_h2d_copies: int | None = None
         # The last step's prompt_logprobs rows: (chunk, logits [count, vocab]) per chunk that asked.
         self.last_prompt_logits: list[tuple[ScheduledChunk, torch.Tensor]] = []
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        # CPU GEMMs on weights packed once (see packed_linear.py); with `hold_weights` the packed
-        # copies replace the plain weights (held_weights.py).
-        self.packed: PackedLinears = pack_linears(model, hold_weights) if pack_weights else PackedLinears()
-        if self.packed.layers:
-            self._learn_packing()
-        self.lean: LeanForward | None = None
-        # Given to every step, whichever loop runs it, so decode rows are attended by one code.
-        self.decode_kernel = decode_attention_kernel(decode_attention, device, backend)
-        self.forward_kind = "the model's own forward"
-        self._plan_step_loop(step_loop)
-        spec = kv_cache.spec
-        self.prefill_kernel, self.prefill_kind = prefill_kernel.plan(prefill_attention, device, backend,
-                                                                     spec.dtype, spec.head_dim)
 
-    def _plan_step_loop(self, step_loop: str) -> None:
-        """Steps through one plain loop over the model's modules where that is proven exact
-        (lean_forward.py), decode steps through its C++ twin where that builds (native_decode.py).
-        Measured on the CPU only, so a GPU keeps the model's own forward."""
-        if step_loop == "model":
-            return
-        if self.device.type != "cpu" or self.backend != "torch":
-            if step_loop != "auto":
-                raise ValueError(f"step_loop={step_loop!r} runs on the CPU with the torch attention backend "
-                                 f"only (this engine: {self.device.type}, {self.backend}): use 'auto'")
-            return
-        if self.packed.layers and not self.packed.learned:
-            return           # the model did not run on one token: its first step learns the packing
-        with packed_gemms(self.packed):
-            self.lean, self.forward_kind = lean_forward.plan(self.model, self.packed)
-        if self.lean is None:
-            if step_loop != "auto":
-                raise ValueError(f"step_loop={step_loop!r} cannot run this model, which keeps "
-                                 f"{self.forward_kind}: use 'auto' or 'model'")
-            logger.info("engine steps run %s", self.forward_kind)
-            return
-        if step_loop in ("auto", "native"):
-            calls = self.lean.attention
-            native, why = NativeDecode.plan(self.model, self.packed, [c.scaling for c in calls],
-                                            [c.window for c in calls], [c.softcap for c in calls],
-                                            self.decode_kernel, required=step_loop == "native")
-            self.lean.native = native
-            self.forward_kind += (", decode steps in C++ (native_decode.py)" if native is not None
-                                  else f"; decode steps stay in Python: {why}")
-        logger.info("engine steps run %s", self.forward_kind)
-
-    def _learn_packing(self) -> None:
-        """Run one token through the model now, so that learning which layers share an input (and
-        stacking their packed weights, ~0.3 s for the embedded model) is not paid by the first
-        request's TTFT. Our attention falls back to plain SDPA without paged metadata."""
-        try:
-            with torch.inference_mode(), packed_gemms(self.packed):
-                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
-        except Exception as err:    # a model that needs more than input_ids: it learns on its first step
-            logger.info("packed GEMMs: the model did not run on one token (%s: %s); they are learned "
-                        "on its first step instead", type(err).__name__, err)
-            self.packed.learned = False
+    def warm_up(self, warmed: list[str]) -> int:
+        """Compile every Triton kernel variant (CUDA; their roles go into `warmed`, once), then
+        capture and verify every decode bucket's CUDA graph; returns how many verified graphs the
+        runner holds (0 without graphs, or once a mismatch turned them off)."""
+        with torch.inference_mode(), self.on_device():
+            if self.backend == "triton" and self.device.type == "cuda" and not warmed:
+                from .kernels_bridge import warm_up_model_kernels
+                warmed[:] = warm_up_model_kernels(self.model, self.kv_cache, self.device)
+            if self.padded is None or not self.padded.capture:
+                return 0
+            self.padded.capture_all()
+            return self.padded.num_verified if self.padded.capture else 0
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], dict]:
         """Order chunks decode-first and build the model inputs plus the shared PagedMetadata."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .attention import PagedMetadata
+from .paged_metadata import PagedMetadata
 from .native_build import LazyModule, NativeBuildError
 from .native_switch import native_disabled
 from .packed_linear import PackedLinears
@@ -46,28 +46,6 @@ def load_extension():
     """The compiled module (built on first use, then cached by torch for every later process);
     raises NativeBuildError with one line on why not."""
     return _EXTENSION.load()
-
-
-def decode_attention_kernel(choice: str, device: torch.device, backend: str):
-    """The paged decode attention kernel for EngineConfig.decode_attention, or None for SDPA over
-    gathered blocks: the C++ kernel runs on the CPU with the torch backend, where it builds."""
-    if choice == "torch":
-        return None
-    if native_disabled():
-        if choice == "native":
-            raise ValueError(f"decode_attention='native' cannot run here: {native_disabled()}; use 'auto'")
-        return None
-    if device.type != "cpu" or backend != "torch":
-        if choice == "native":
-            raise ValueError(f"decode_attention='native' runs on the CPU with the torch attention backend "
-                             f"only (this engine: {device.type}, {backend}): use 'auto'")
-        return None
-    try:
-        return load_extension().paged_decode_attention
-    except NativeBuildError as err:
-        if choice == "native":
-            raise ValueError(f"decode_attention='native' cannot run here: {err}") from None
-        return None
 
 
 @dataclass(frozen=True, slots=True)

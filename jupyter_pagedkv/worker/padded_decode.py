@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..core.scheduler import ScheduledChunk
-from .attention import PagedMetadata, additive_mask
+from .paged_metadata import PagedMetadata, additive_mask
 from .input_staging import InputStaging, layout
 from .kv_cache import KVCache
 

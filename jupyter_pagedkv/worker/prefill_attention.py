@@ -1,4 +1,9 @@
-"""Causal prefill attention on the CPU in C++ (prefill_attention.cpp): when it serves, and its calls.
+"""Prefill chunks' attention on the torch backend: the C++ kernel (prefill_attention.cpp) where
+the execution plan chose it, else torch's SDPA; what the kernel serves, and its calls.
+
+A chunk attends its own keys causally and, after a prefix (a cached prompt, or the earlier chunks
+of a long one), every prefix key: the two parts apart, merged by their log-sum-exps (sdpa.py), so
+no `[n, context]` mask exists; a window that cuts or soft-capping takes a dense mask instead.
 
 Why: a long prompt's prefill is mostly attention (at 2,048 tokens about half of it in bf16, more
 at 8k), and torch's CPU flash kernel computes its scores through MKL, which on AMD CPUs runs its
@@ -19,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from .native_build import LazyModule, NativeBuildError
-from .native_switch import native_disabled
+from .native_build import LazyModule
+from .paged_metadata import PagedMetadata, PrefillChunk
+from .sdpa import attend as sdpa_attend, attend_after_prefix, merge_by_lse, split_prefix_supported
 
 
 SOURCE = Path(__file__).with_name("prefill_attention.cpp")
-MODES = ("auto", "native", "torch")
 HEAD_SIZES = (64, 128)
 # OpenMP: at::parallel_for, a header template, splits work only where the extension is built with it.
 _KERNEL = LazyModule("jupyter_pagedkv_prefill_attention", SOURCE, "the C++ prefill attention kernel",
@@ -37,30 +42,8 @@ def load_kernel():
     return _KERNEL.load()
 
 
-def plan(mode: str, device: torch.device, backend: str, dtype: torch.dtype, head_dim: int | None):
-    """(the kernel module or None, a phrase for the engine's description). 'native' raises
-    instead of falling back; 'torch' always takes SDPA."""
-    if mode not in MODES:
-        raise ValueError(f"prefill_attention must be 'auto', 'native' or 'torch', got {mode!r}")
-    if mode == "torch":
-        return None, "prefill attention by torch's SDPA"
-    problem = native_disabled() or _problem(device, backend, dtype, head_dim)
-    module = None
-    if problem is None:
-        try:
-            module = load_kernel()
-            if not module.supports(torch.empty(0, dtype=dtype)):  # host: a CPU kernel's dtype probe
-                problem = f"this CPU lacks AVX-512{' BF16' if dtype == torch.bfloat16 else ''}"
-        except NativeBuildError as err:
-            problem = str(err)
-    if problem is not None:
-        if mode == "native":
-            raise ValueError(f"prefill_attention='native' cannot run here: {problem}; use 'auto' or 'torch'")
-        return None, f"prefill attention by torch's SDPA ({problem})"
-    return module, "prefill attention in C++ (prefill_attention.cpp)"
-
-
-def _problem(device: torch.device, backend: str, dtype: torch.dtype, head_dim: int | None) -> str | None:
+def problem(device: torch.device, backend: str, dtype: torch.dtype, head_dim: int | None) -> str | None:
+    """Why the kernel cannot serve this engine, or None (worker/plan.py decides with it)."""
     if device.type != "cpu" or backend != "torch":
         return "the kernel is for the CPU's torch backend"
     if dtype not in (torch.float32, torch.bfloat16):
@@ -75,3 +58,82 @@ def attend(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     """`q [n, heads, d]` over `k/v [L, kv_heads, d]`: query i sees key j when j <= i + offset
     (and j > i + offset - window). Returns (out [n, heads, d], lse [heads, n] float32)."""
     return module.attend(q, k, v, scale, offset, window or 0)
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
+                      scale: float, window: int | None = None, new_k: torch.Tensor | None = None,
+                      new_v: torch.Tensor | None = None, softcap: float | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every prefill chunk of the step: `query [T, heads, d]` (the whole step's rows); returns
+    `out` (`[T, heads, d]`, new when None) with each chunk's rows filled. `new_k`/`new_v` (this
+    step's keys and values) let a chunk read its own keys in place instead of gathering them
+    back; only the prefix before a chunk is read from the blocks."""
+    out = torch.empty_like(query) if out is None else out
+    kernel = meta.prefill_kernel if softcap is None else None
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    for chunk in meta.prefills:
+        s, n = chunk.q_start, chunk.q_len
+        if new_k is not None:      # the chunk's own keys and values, read in place
+            own_k, own_v = new_k[s:s + n], new_v[s:s + n]
+        else:
+            own_k = k_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+            own_v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+        cut = window if window is not None and chunk.ctx_len > window else None
+        if kernel is not None:
+            out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut)
+        else:
+            out[s:s + n] = _sdpa_chunk(query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut, softcap)
+    return out
+
+
+def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """A prefill chunk through the C++ kernel: its own keys causally, then (if the chunk follows a
+    prefix) the prefix's keys read where they lie, the two parts merged by their log-sum-exps.
+    Under a sliding window only the prefix blocks some query of the chunk can see are read."""
+    n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
+    start = ctx - n
+    o, lse = attend(kernel, q, own_k, own_v, scale, 0, window)
+    first_visible = 0 if window is None else max(0, start - window + 1)
+    if start == 0 or first_visible >= start:
+        return o
+    lo = first_visible // bs * bs
+    hi = -(-start // bs)
+    pk = chunk.keys(k_cache, lo // bs, hi)[:start - lo]
+    pv = chunk.keys(v_cache, lo // bs, hi)[:start - lo]
+    o1, lse1 = attend(kernel, q, pk, pv, scale, start - lo, window)
+    return merge_by_lse(o1, lse1.t(), o, lse.t())       # the kernel's lse is [heads, n]
+
+
+def _sdpa_chunk(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
+                softcap: float | None) -> torch.Tensor:
+    """A prefill chunk through torch: `query [n, heads, d]` -> `[n, heads, d]`."""
+    n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
+    gqa = query.shape[1] != k_cache.shape[2]
+    q = query.transpose(0, 1).unsqueeze(0)      # [1, heads, n, d]
+    if window is None and ctx == n:
+        # The chunk starts the sequence: its own keys are the whole context.
+        o = sdpa_attend(q, own_k.transpose(0, 1).unsqueeze(0), own_v.transpose(0, 1).unsqueeze(0), scale,
+                        is_causal=True, enable_gqa=gqa, softcap=softcap)
+    elif window is None and softcap is None and split_prefix_supported(query, own_v):
+        # After a prefix: every query sees every prefix key, and its own chunk causally.
+        start = ctx - n
+        pk = chunk.keys(k_cache, 0, -(-start // bs))[:start].transpose(0, 1).unsqueeze(0)
+        pv = chunk.keys(v_cache, 0, -(-start // bs))[:start].transpose(0, 1).unsqueeze(0)
+        o = attend_after_prefix(q, pk, pv, own_k.transpose(0, 1).unsqueeze(0), own_v.transpose(0, 1).unsqueeze(0),
+                                scale)
+    else:
+        # A window that cuts, logit soft-capping, or no flash kernel with its log-sum-exp:
+        # a dense [n, keys] mask over the keys some query of the chunk can see.
+        lo = 0 if window is None else max(0, ctx - n - window + 1) // bs * bs
+        hi = len(chunk.block_ids)
+        k = chunk.keys(k_cache, lo // bs, hi)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+        v = chunk.keys(v_cache, lo // bs, hi)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+        qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
+        kpos = torch.arange(lo, ctx, device=query.device).view(1, -1)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        o = sdpa_attend(q, k, v, scale, attn_mask=mask, enable_gqa=gqa, softcap=softcap)
+    return o[0].transpose(0, 1)

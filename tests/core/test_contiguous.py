@@ -87,7 +87,7 @@ def test_contiguous_refuses_admission_that_paging_grants(make_engine):
         for p in prompts:
             engine.add_request(p, params)
         engine.step()
-        concurrent[allocator] = len(engine.scheduler.running)
+        concurrent[allocator] = len(engine._scheduler.running)
         outs = {}
         while engine.has_unfinished_requests():
             for o in engine.step():

@@ -60,8 +60,8 @@ def test_random_interleavings_keep_invariants(ops, block_size, num_blocks, budge
     while engine.has_unfinished_requests():   # "finish": run everything to completion
         engine.step()
         engine.check_invariants()
-    reasons = {s.finish_reason for r in engine.finished_requests for s in r.seqs}
-    assert len(engine.finished_requests) == len(ids) and reasons <= {"length", "abort"}
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
-    assert engine.pool.num_free == num_blocks
-    assert engine.swap is None or engine.swap.num_used == 0
+    reasons = {s.finish_reason for r in engine._finished for s in r.seqs}
+    assert len(engine._finished) == len(ids) and reasons <= {"length", "abort"}
+    assert all(b.ref_count == 0 for b in engine._pool.blocks)
+    assert engine._pool.num_free == num_blocks
+    assert engine._swap is None or engine._swap.num_used == 0

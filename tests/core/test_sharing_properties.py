@@ -117,8 +117,8 @@ def test_beams_and_samples_on_the_engine_keep_invariants(ops, block_size, num_bl
     while engine.has_unfinished_requests():
         engine.step()
         engine.check_invariants()
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
-    assert len(engine.finished_requests) == len(ids)          # every admitted request ended
-    for req in engine.finished_requests:
+    assert all(b.ref_count == 0 for b in engine._pool.blocks)
+    assert len(engine._finished) == len(ids)          # every admitted request ended
+    for req in engine._finished:
         if req.beam is not None and req.beam.done:
             assert len(req.beam.sequences) == req.beam.width

@@ -98,7 +98,7 @@ def test_under_preemption_the_beams_are_transformers_beams(preemption_mode, make
     tight = engine.beam_search(prompts, params)
     assert engine.stats().num_preemptions > 0
     if preemption_mode == "swap":
-        assert engine.scheduler.num_swap_outs > 0          # KV went to host memory and came back
+        assert engine._scheduler.num_swap_outs > 0          # KV went to host memory and came back
     assert_same_beams(model, prompts, tight, params)
 
 
@@ -114,7 +114,7 @@ def test_result_is_the_same_when_the_budget_schedules_only_some_beams(make_engin
         engine.step()
         waited |= any(r.beam.pending for r in engine.live_requests())
     assert waited
-    done = {r.request_id: r for r in engine.finished_requests}
+    done = {r.request_id: r for r in engine._finished}
     assert [[s.token_ids for s in done[rid].beam.sequences] for rid in ids] == \
         [[s.token_ids for s in o.sequences] for o in roomy]
 

@@ -154,8 +154,8 @@ def test_greedy_speculation_is_token_identical_in_a_mixed_batch(make_engine, spe
     if spec != "other-draft":
         assert stats.spec_accepted_tokens > 0
     if num_blocks == 20:
-        assert engine.scheduler.num_preemptions > 0
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+        assert engine._scheduler.num_preemptions > 0
+    assert all(b.ref_count == 0 for b in engine._pool.blocks)
 
 
 @pytest.mark.parametrize("spec", ["ngram", "same-draft"])
@@ -167,14 +167,14 @@ def test_greedy_speculation_under_swap_preemption_is_transformers_greedy(make_en
                          preemption_mode="swap", swap_space=40 * per_block)
     outs = engine.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == REFERENCE
-    assert engine.scheduler.num_swap_outs > 0 and engine.stats().spec_accepted_tokens > 0
+    assert engine._scheduler.num_swap_outs > 0 and engine.stats().spec_accepted_tokens > 0
 
 
 def test_per_request_drafter_on_an_engine_without_a_default(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=64)
     outs = engine.generate(PROMPTS[:2], [greedy(), greedy(speculative="ngram")])
     assert [o.token_ids for o in outs] == REFERENCE[:2]
-    assert engine.stats().spec_proposed_tokens > 0 and engine.speculator.default is None
+    assert engine.stats().spec_proposed_tokens > 0 and engine._speculator.default is None
 
 
 def test_sampled_requests_speculate_with_ngram_and_return_every_block(make_engine):
@@ -184,7 +184,7 @@ def test_sampled_requests_speculate_with_ngram_and_return_every_block(make_engin
     outs = engine.generate(PROMPTS, params)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
     assert engine.stats().spec_proposed_tokens > 0
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine._pool.blocks)
 
 
 def test_stop_inside_accepted_drafts_discards_the_rest_and_frees_everything(make_engine):
@@ -194,7 +194,7 @@ def test_stop_inside_accepted_drafts_discards_the_rest_and_frees_everything(make
                                                     stop_token_ids=[stop_at]))[0]
     assert out.token_ids == REFERENCE[0][:REFERENCE[0].index(stop_at) + 1]
     assert out.finish_reason == "stop"
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine._pool.blocks)
 
 
 def test_stats_and_snapshot_expose_acceptance(make_engine):
@@ -277,8 +277,8 @@ def test_random_accept_reject_patterns_keep_invariants_and_leak_nothing(
     for rid in ids:
         if rid != aborted and rid in done:
             assert done[rid] == REFERENCE[int(rid)][:max_tokens]
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
-    assert engine.pool.num_free == num_blocks
+    assert all(b.ref_count == 0 for b in engine._pool.blocks)
+    assert engine._pool.num_free == num_blocks
 
 
 # -- sampling with speculation follows the target's distribution --------------------------------------
@@ -295,7 +295,7 @@ def test_seeded_speculative_sampling_matches_the_target_distribution():
     prompt, temp, n = [3, 4, 5, 6, 7, 3, 4], 1.0, 800
     engine = Engine(target, None, block_size=4, num_blocks=2048, max_num_seqs=400, seed=0,
                     speculative=draft, num_speculative_tokens=2)
-    engine.speculator.max_step_tokens = 1 << 20   # speculate in large batches too (normally not)
+    engine._speculator.max_step_tokens = 1 << 20   # speculate in large batches too (normally not)
     outs = engine.generate([prompt] * n, [SamplingParams(max_tokens=4, temperature=temp, seed=i,
                                                          ignore_eos=True) for i in range(n)])
     engine.check_invariants()

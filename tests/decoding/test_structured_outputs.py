@@ -124,7 +124,7 @@ def test_speculation_rolls_the_grammar_back_and_greedy_output_is_unchanged(make_
     plain = make_engine(MODEL, tokenizer).generate([PROMPT] * 4, params)
     engine = make_engine(MODEL, tokenizer, speculative="ngram")
     spec = engine.generate([PROMPT] * 4, params)
-    stats = engine.speculator.stats
+    stats = engine._speculator.stats
     assert stats.num_proposed > stats.num_accepted > 0, "no draft was both kept and rejected: nothing tested"
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert_all_valid({k: o.outputs for k, o in zip(SPECS, spec)})
@@ -133,7 +133,7 @@ def test_speculation_rolls_the_grammar_back_and_greedy_output_is_unchanged(make_
 def test_sampled_outputs_stay_valid_under_speculation(make_engine, tokenizer):
     engine = make_engine(MODEL, tokenizer, seed=2, speculative="ngram")
     assert_all_valid(run_all_kinds(engine, per_kind=4))
-    assert engine.speculator.stats.num_proposed > 0
+    assert engine._speculator.stats.num_proposed > 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -142,9 +142,9 @@ def test_grammar_state_survives_preemption(make_engine, tokenizer, mode):
     engine = make_engine(MODEL, tokenizer, seed=4, block_size=4, num_blocks=32, preemption_mode=mode,
                          swap_space="8MiB")
     assert_all_valid(run_all_kinds(engine, per_kind=3, distinct=True))
-    assert engine.scheduler.num_preemptions > 0
+    assert engine._scheduler.num_preemptions > 0
     if mode == "swap":
-        assert engine.scheduler.num_swap_outs > 0
+        assert engine._scheduler.num_swap_outs > 0
 
 
 class XgrammarProcessor:
@@ -220,7 +220,7 @@ def test_a_spec_xgrammar_refuses_is_one_line_and_nothing_is_queued(make_engine, 
         engine.add_request(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
     message = str(err.value)
     assert says in message and "\n" not in message and ".cc:" not in message
-    assert not engine.scheduler.has_work()
+    assert not engine._scheduler.has_work()
 
 
 @pytest.mark.parametrize("spec, says", [
@@ -241,7 +241,7 @@ def test_structured_outputs_need_a_tokenizer(make_engine):
     engine = make_engine(MODEL)
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request([1, 2, 3], SamplingParams(structured_outputs=SPECS["choice"]))
-    assert not engine.scheduler.has_work()
+    assert not engine._scheduler.has_work()
 
 
 def test_equal_specs_compile_once(make_engine, tokenizer):
@@ -250,5 +250,5 @@ def test_equal_specs_compile_once(make_engine, tokenizer):
         engine.add_request(PROMPT, SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
             json=json.loads(json.dumps(SCHEMA)))))
     assert len(engine._grammars._compiled) == 1
-    while engine.scheduler.has_work():
+    while engine._scheduler.has_work():
         engine.step()

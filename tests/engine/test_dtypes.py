@@ -41,8 +41,8 @@ def test_auto_on_a_gpu_is_the_checkpoints_dtype_and_asked_dtypes_win(tmp_path):
 def test_the_status_line_says_why_auto_chose(make_engine):
     engine = make_engine(tiny_model("llama"), block_size=4)
     assert "because" not in engine.info().summary                   # built from a model: its own dtype
-    engine.dtype_reason = "auto: this CPU computes bf16 natively (AMX)"
-    assert engine.info().summary.endswith("; float32 because this CPU computes bf16 natively (AMX)")
+    told = make_engine(tiny_model("llama"), block_size=4, dtype_reason="auto: this CPU computes bf16 natively (AMX)")
+    assert told.info().summary.endswith("; float32 because this CPU computes bf16 natively (AMX)")
 
 
 def bf16_step(logit: float) -> float:
@@ -90,7 +90,7 @@ def test_bf16_embedded_model_matches_transformers_bf16():
                                        tokenize=True, return_dict=False) for t in texts]
     prompts += random_prompts(3, model.config.vocab_size, seed=3, lo=100, hi=300)
     engine = Engine.from_pretrained(None, dtype="bfloat16", kv_cache_memory="256MiB")
-    assert engine.dtype == torch.bfloat16 and engine.hold_weights == engine.pack_weights
+    assert engine.dtype == torch.bfloat16 and engine._hold_weights == engine._pack_weights
     try:
         outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
         engine.check_invariants()

@@ -83,11 +83,11 @@ def test_evicted_prefix_is_recomputed_correctly(embedded, make_engine):
     params = SamplingParams(max_tokens=6, temperature=0.0)
     engine = make_engine(model, tokenizer, num_blocks=12)
     before = engine.generate([prompt], params)[0].token_ids
-    evictions = engine.pool.num_evictions
+    evictions = engine._pool.num_evictions
     # Another long prompt takes every block and evicts the cached prefix.
     other = tokenizer("Rain fell on the old stone bridge. " * 30).input_ids[:11 * 16 - 3]
     engine.generate([other], params)
-    assert engine.pool.num_evictions > evictions
+    assert engine._pool.num_evictions > evictions
     again = engine.generate([prompt], params)[0]
     assert again.num_cached_tokens < len(prompt) // 16 * 16
     assert again.token_ids == before

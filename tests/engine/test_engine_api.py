@@ -62,7 +62,7 @@ def test_abort_frees_blocks_at_once_and_reports_abort(make_engine):
     assert engine.abort(rid)
     engine.check_invariants()
     assert engine.stats().num_used == 0
-    assert engine.finished_requests[-1].seqs[0].finish_reason == "abort"
+    assert engine._finished[-1].seqs[0].finish_reason == "abort"
     assert not engine.abort(rid)
 
 
@@ -130,7 +130,7 @@ def test_preemption_takes_the_lowest_priority_first(make_engine):
     urgent = engine.add_request(list(range(20, 32)), params, priority=0)
     while engine.has_unfinished_requests():
         engine.step()
-    seqs = {r.request_id: r.seqs[0] for r in engine.finished_requests}
+    seqs = {r.request_id: r.seqs[0] for r in engine._finished}
     assert seqs[background].num_preemptions > 0 and seqs[urgent].num_preemptions == 0
 
 

@@ -19,7 +19,7 @@ def still_works(engine):
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 3
     engine.check_invariants()
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine._pool.num_free == engine._pool.num_blocks
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -30,7 +30,7 @@ def test_swap_preemption_at_300_positions_is_exact(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=200, preemption_mode="swap", swap_space="64MiB")
     outs = engine.generate(PROMPTS, GREEDY)
     check(MODEL, PROMPTS, REFS, outs)
-    assert engine.scheduler.num_swap_outs > 0 and engine.swap.num_used == 0
+    assert engine._scheduler.num_swap_outs > 0 and engine._swap.num_used == 0
 
 
 def test_recompute_preemption_at_300_positions_is_exact(make_engine):

@@ -16,6 +16,7 @@ from conftest import assert_same_or_near_tie, hf_greedy, tiny_model
 from jupyter_pagedkv import SamplingParams
 from jupyter_pagedkv.testing.models import compare_with_oracle, random_prompts
 from jupyter_pagedkv.worker import prefill_attention
+from jupyter_pagedkv.worker.plan import decide_prefill_attention
 
 NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -27,8 +28,8 @@ def run_cold_then_cached(make_engine, model, prompt, budget):
     """The prompt on an empty cache, then the prompt plus 11 tokens over its cached blocks."""
     engine = make_engine(model, block_size=4, max_num_batched_tokens=budget)
     head_dim = model.config.head_dim
-    kernel, _ = prefill_attention.plan("auto", engine.device, "torch", engine.dtype, head_dim)
-    assert (engine.runner.prefill_kernel is not None) == (kernel is not None)
+    _, kernel = decide_prefill_attention("auto", engine.device, "torch", engine.dtype, head_dim)
+    assert (engine._runner.prefill_kernel is not None) == (kernel is not None)
     assert (kernel is not None) <= (head_dim == 64)     # the kernel serves only the -gqa64 models here
     with mock.patch.object(prefill_attention, "attend", wraps=prefill_attention.attend) as kernel_calls:
         cold = engine.generate([prompt], GREEDY)[0]

@@ -36,7 +36,7 @@ def run_out(engine) -> dict[str, object]:
 
 
 def finished(engine, rid: str):
-    return next(r for r in engine.finished_requests if r.request_id == rid)
+    return next(r for r in engine._finished if r.request_id == rid)
 
 
 def assert_failed(engine, rid: str, error: type, reason: str = "error") -> None:
@@ -48,7 +48,7 @@ def assert_failed(engine, rid: str, error: type, reason: str = "error") -> None:
 
 def assert_exact(engine, rid: str, prompt: list[int]) -> None:
     assert finished(engine, rid).error is None
-    assert engine.outputs.output(finished(engine, rid)).token_ids == REFS[tuple(prompt)]
+    assert engine._outputs.output(finished(engine, rid)).token_ids == REFS[tuple(prompt)]
 
 
 def assert_clean_and_serving(engine) -> None:
@@ -82,7 +82,7 @@ def test_a_failing_forward_ends_the_steps_requests_and_not_the_waiting_one(make_
     a, b, c = (engine.add_request(p, GREEDY) for p in PROMPTS[:3])
     engine.step()                                       # a and b prefill; c waits for a seat
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 1, oom)
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 1, oom)
     with pytest.raises(torch.OutOfMemoryError):
         engine.step()
     for rid in (a, b):
@@ -101,7 +101,7 @@ def test_a_failing_sampler_ends_only_the_rows_it_was_sampling(make_engine):
     a = engine.add_request(PROMPTS[0], GREEDY)
     engine.step()                                       # a's prompt (< 16 tokens) computed
     b = engine.add_request(long_prompt, GREEDY)
-    engine.sampler = FailingSampler(engine.sampler)
+    engine._stepping.sampler = FailingSampler(engine._sampler)     # the sampler the step calls
     outputs = engine.step()                             # a samples (and fails); b's first chunk
     assert {o.request_id for o in outputs} == {a, b}
     assert_failed(engine, a, Boom)
@@ -176,7 +176,7 @@ def test_a_failing_detokenisation_ends_only_that_request(make_engine):
     run_out(engine)
     assert_failed(engine, a, UnicodeDecodeError)
     assert_exact(engine, b, PROMPTS[1])
-    engine.tokenizer = engine.outputs.tokenizer = None
+    engine.tokenizer = engine._outputs.tokenizer = None
     assert_clean_and_serving(engine)
 
 
@@ -205,7 +205,7 @@ def test_a_listener_whose_consumer_is_gone_ends_its_request(make_engine):
 
 def test_the_background_loop_dying_ends_every_live_request_and_a_restart_serves(make_engine):
     engine = make_engine(MODEL, block_size=4, max_num_seqs=1)
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 3, SystemExit("the loop's thread was told to exit"))
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 3, SystemExit("the loop's thread was told to exit"))
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
     engine.start()
     for rid in ids:
@@ -223,10 +223,10 @@ def test_the_background_loop_dying_ends_every_live_request_and_a_restart_serves(
 # -- Ctrl-C -----------------------------------------------------------------------------------------
 def test_ctrl_c_during_a_synchronous_generate_aborts_what_it_touched(make_engine):
     engine = make_engine(MODEL, block_size=4)
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 4, KeyboardInterrupt())
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 4, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         engine.generate(PROMPTS[:2], GREEDY)            # no background thread: this call steps
-    for req in list(engine.finished_requests)[-2:]:
+    for req in list(engine._finished)[-2:]:
         assert req.seqs[0].finish_reason == "abort" and 0 < req.seqs[0].num_output_tokens < NEW
     assert_clean_and_serving(engine)
 
@@ -237,7 +237,7 @@ def test_ctrl_c_during_a_long_prefill_leaves_a_waiting_request_exact(make_engine
     victim = engine.add_request(long_prompt, GREEDY)
     waiting = engine.add_request(PROMPTS[2], GREEDY)    # no seat until the victim is gone
     engine.step()                                       # the victim's first 32 tokens
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 1, KeyboardInterrupt())
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 1, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         engine.step()                                   # its second chunk is cut short
     assert_failed(engine, victim, KeyboardInterrupt, reason="abort")
@@ -249,14 +249,14 @@ def test_ctrl_c_during_a_long_prefill_leaves_a_waiting_request_exact(make_engine
 def test_ctrl_c_during_beam_search_returns_every_beam_block(make_engine):
     engine = make_engine(MODEL, block_size=4)
     plain = engine.add_request(PROMPTS[1], GREEDY)
-    fail_on_call(engine.runner, "execute", lambda i, *a: i == 5, KeyboardInterrupt())
+    fail_on_call(engine._runner, "execute", lambda i, *a: i == 5, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=10))
-    beam = [r for r in engine.finished_requests if r.beam is not None][0]
+    beam = [r for r in engine._finished if r.beam is not None][0]
     assert all(s.is_finished for s in beam.seqs)
     run_out(engine)
     assert_clean_and_serving(engine)
-    assert plain in {r.request_id for r in engine.finished_requests}
+    assert plain in {r.request_id for r in engine._finished}
 
 
 def test_ctrl_c_during_speculation_keeps_the_engine_exact(make_engine):
@@ -264,7 +264,7 @@ def test_ctrl_c_during_speculation_keeps_the_engine_exact(make_engine):
     prompts = [p + p for p in PROMPTS[:2]]             # repetition: the n-gram drafter proposes
     for p in prompts:
         REFS.setdefault(tuple(p), hf_greedy(MODEL, p, NEW, stop_at_eos=False))
-    fail_on_call(engine.runner, "execute", lambda i, chunks, *a: any(c.num_logits > 1 for c in chunks),
+    fail_on_call(engine._runner, "execute", lambda i, chunks, *a: any(c.num_logits > 1 for c in chunks),
                  KeyboardInterrupt())
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     with pytest.raises(KeyboardInterrupt):
@@ -276,7 +276,7 @@ def test_ctrl_c_during_speculation_keeps_the_engine_exact(make_engine):
 
 def test_ctrl_c_during_a_swap_fails_the_swapped_sequence_and_keeps_the_rest_exact(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=14, preemption_mode="swap", swap_space="4MiB")
-    fail_on_call(engine.kv_cache, "swap_out", lambda i, pairs: bool(pairs), KeyboardInterrupt())
+    fail_on_call(engine._kv_cache, "swap_out", lambda i, pairs: bool(pairs), KeyboardInterrupt())
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
     with pytest.raises(KeyboardInterrupt):
         run_out(engine)
@@ -286,12 +286,12 @@ def test_ctrl_c_during_a_swap_fails_the_swapped_sequence_and_keeps_the_rest_exac
     for rid, p in zip(ids, PROMPTS):
         if rid not in aborted:
             assert_exact(engine, rid, p)
-    assert engine.swap.num_used == 0
+    assert engine._swap.num_used == 0
     assert_clean_and_serving(engine)
 
 
 def finished_with_error(engine, rid: str) -> bool:
-    req = next((r for r in engine.finished_requests if r.request_id == rid), None)
+    req = next((r for r in engine._finished if r.request_id == rid), None)
     return req is not None and req.error is not None
 
 
@@ -303,7 +303,7 @@ def untouched_at_failure(engine, obj, name: str, when, error: BaseException) -> 
 
     def when_recorded(i, *args):
         if when(i, *args):
-            sched = engine.scheduler
+            sched = engine._scheduler
             planned = {id(s) for s in sched.plan.preempted}        # swapped out by the failing step
             untouched.extend(s.request_id for s in [*sched.waiting, *sched.swapped] if id(s) not in planned)
             return True
@@ -317,12 +317,12 @@ def test_a_failing_swap_in_fails_the_steps_requests_and_the_untouched_finish_exa
     # Two seats, four requests: two wait while the running pair outgrow 14 blocks and swap.
     engine = make_engine(MODEL, block_size=4, num_blocks=14, max_num_seqs=2, preemption_mode="swap",
                          swap_space="4MiB")
-    untouched = untouched_at_failure(engine, engine.kv_cache, "swap_in", lambda i, pairs: bool(pairs),
+    untouched = untouched_at_failure(engine, engine._kv_cache, "swap_in", lambda i, pairs: bool(pairs),
                                      Boom("the host-to-device copy failed"))
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     with pytest.raises(Boom):
         run_out(engine)
-    resumed = engine.scheduler.plan.resumed
+    resumed = engine._scheduler.plan.resumed
     assert resumed and untouched, "a swap-in happened while other requests waited"
     for rid in {s.request_id for s in resumed}:
         assert_failed(engine, rid, Boom)
@@ -332,7 +332,7 @@ def test_a_failing_swap_in_fails_the_steps_requests_and_the_untouched_finish_exa
     for rid, p in zip(ids, PROMPTS):
         if rid in untouched:
             assert_exact(engine, rid, p)
-    assert engine.swap.num_used == 0
+    assert engine._swap.num_used == 0
     assert_clean_and_serving(engine)
 
 
@@ -346,25 +346,25 @@ def test_an_allocation_failing_mid_step_ends_what_the_step_planned_and_returns_e
     for _ in range(4):
         engine.step()                                   # both seats decoding, two requests waiting
     # The next block a growing table asks for fails (the pool's allocate raises).
-    untouched = untouched_at_failure(engine, engine.pool, "allocate", lambda i, *a: True,
+    untouched = untouched_at_failure(engine, engine._pool, "allocate", lambda i, *a: True,
                                      Boom("allocation failed"))
-    free_before = engine.pool.num_free
+    free_before = engine._pool.num_free
     with pytest.raises(Boom):
         run_out(engine)
-    plan = engine.scheduler.plan
+    plan = engine._scheduler.plan
     failed = [rid for rid in ids if finished_with_error(engine, rid)]
     assert plan.attempting is not None and plan.attempting.request_id in failed
     for rid in failed:
         assert_failed(engine, rid, Boom)
     assert untouched and not set(untouched) & set(failed)
     engine.check_invariants()                           # no half-grown table, no stray reference
-    assert engine.pool.num_free >= free_before
+    assert engine._pool.num_free >= free_before
     run_out(engine)
     for rid, p in zip(ids, PROMPTS):
         if rid in untouched:
             assert_exact(engine, rid, p)
-    if engine.swap is not None:
-        assert engine.swap.num_used == 0
+    if engine._swap is not None:
+        assert engine._swap.num_used == 0
     assert_clean_and_serving(engine)
 
 

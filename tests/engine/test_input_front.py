@@ -95,7 +95,7 @@ def assert_one_line(err: BaseException) -> None:
 def assert_nothing_left(engine: Engine) -> None:
     assert not engine.has_unfinished_requests()
     engine.check_invariants()
-    assert engine.pool.num_free == engine.pool.num_blocks, "a block leaked"
+    assert engine._pool.num_free == engine._pool.num_blocks, "a block leaked"
 
 
 def assert_refused(engine: Engine, err: ValueError) -> None:

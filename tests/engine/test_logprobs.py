@@ -119,7 +119,7 @@ def test_speculative_accepted_tokens_carry_the_verify_pass_logprobs(make_engine)
     loop = [7, 8, 9, 10] * 6                       # repetitive: the n-gram drafter proposes
     out = engine.generate([loop], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                                  speculative="ngram", logprobs=2))[0]
-    assert engine.speculator.stats.num_accepted > 0
+    assert engine._speculator.stats.num_accepted > 0
     ref = reference(loop + out.token_ids)
     for i, (token, entry) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
         assert_position(entry, token, ref[len(loop) + i - 1], 2)
@@ -132,7 +132,7 @@ def test_a_step_where_nobody_asks_computes_nothing(make_engine, monkeypatch):
     engine = make_engine(MODEL, block_size=4)
     out = engine.generate([PROMPT], SamplingParams(n=2, max_tokens=4, temperature=0.8, seed=1))[0]
     assert all(o.logprobs is None and o.cumulative_logprob is None for o in out.outputs)
-    assert engine.runner.last_prompt_logits == []
+    assert engine._runner.last_prompt_logits == []
 
 
 @pytest.mark.parametrize("field,value,says", [

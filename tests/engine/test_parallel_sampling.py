@@ -65,17 +65,17 @@ def test_copy_on_write_never_changes_a_siblings_kv(make_engine):
     engine.step()                                     # prefill, fork: 3 tables share 7 blocks
     seqs = engine._requests[rid].seqs
     shared = [b.block_id for b in seqs[0].block_table.blocks]
-    k0, v0 = engine.kv_cache.k[:, shared].clone(), engine.kv_cache.v[:, shared].clone()
+    k0, v0 = engine._kv_cache.k[:, shared].clone(), engine._kv_cache.v[:, shared].clone()
     for _ in range(6):
         engine.step()                                 # each sample writes into its own copy
     tails = [s.block_table.blocks[6].block_id for s in seqs]
     # Two samples copied the shared tail; the last holder of the original writes into it in place.
     assert len(set(tails)) == 3 and shared[6] in tails and not set(tails) & set(shared[:6])
     # The shared blocks were never written: their KV is bit-identical to the fork moment ...
-    assert torch.equal(engine.kv_cache.k[:, shared[:6]], k0[:, :6])
-    assert torch.equal(engine.kv_cache.v[:, shared[:6]], v0[:, :6])
+    assert torch.equal(engine._kv_cache.k[:, shared[:6]], k0[:, :6])
+    assert torch.equal(engine._kv_cache.v[:, shared[:6]], v0[:, :6])
     # ... and every copied tail starts with the 3 prompt slots it copied, unchanged.
     for t in tails:
-        assert torch.equal(engine.kv_cache.k[:, t, :3], k0[:, 6, :3])
-        assert torch.equal(engine.kv_cache.v[:, t, :3], v0[:, 6, :3])
+        assert torch.equal(engine._kv_cache.k[:, t, :3], k0[:, 6, :3])
+        assert torch.equal(engine._kv_cache.v[:, t, :3], v0[:, 6, :3])
     engine.abort(rid)

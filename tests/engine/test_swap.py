@@ -35,8 +35,8 @@ def test_greedy_output_under_heavy_swapping_equals_the_unpressured_run(make_engi
                          swap_space="4MiB")
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == unpressured(make_engine)
-    assert engine.scheduler.num_swap_outs > 0
-    assert engine.stats().num_swapped_blocks == 0 and engine.swap.num_free == engine.swap.num_slots
+    assert engine._scheduler.num_swap_outs > 0
+    assert engine.stats().num_swapped_blocks == 0 and engine._swap.num_free == engine._swap.num_slots
 
 
 def test_a_full_swap_space_falls_back_to_recompute(make_engine):
@@ -45,13 +45,13 @@ def test_a_full_swap_space_falls_back_to_recompute(make_engine):
                          swap_space=10 * one_block)   # room for one victim of ~10 blocks
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == unpressured(make_engine)
-    assert 0 < engine.scheduler.num_swap_outs < engine.scheduler.num_preemptions
+    assert 0 < engine._scheduler.num_swap_outs < engine._scheduler.num_preemptions
 
 
 def test_swapped_in_kv_is_what_was_swapped_out(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=24, preemption_mode="swap",
                          swap_space="4MiB")
-    cache, seen = engine.kv_cache, {}
+    cache, seen = engine._kv_cache, {}
     out_fn, in_fn = cache.swap_out, cache.swap_in
 
     def swap_out(pairs):
@@ -76,12 +76,12 @@ def test_aborting_a_swapped_request_frees_its_host_slots(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=24, preemption_mode="swap",
                          swap_space="4MiB")
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    while not engine.scheduler.swapped:
+    while not engine._scheduler.swapped:
         engine.step()
     engine.check_invariants()
-    victim = engine.scheduler.swapped[0]
+    victim = engine._scheduler.swapped[0]
     assert engine.abort(victim.request_id)
     engine.check_invariants()
     for rid in ids:
         engine.abort(rid)
-    assert engine.swap.num_used == 0
+    assert engine._swap.num_used == 0

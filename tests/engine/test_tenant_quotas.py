@@ -60,7 +60,7 @@ def test_caps_hold_at_every_step_of_random_runs(make_engine, requests, policy, c
             assert "max_blocks" in str(err) and "\n" not in str(err)
     drain(engine)
     engine.check_invariants()
-    assert engine.stats().num_used == 0 and len(engine.finished_requests) == len(ids)
+    assert engine.stats().num_used == 0 and len(engine._finished) == len(ids)
     for s in steps:
         for name, cap in zip("ab", caps):
             if cap is not None and name in s.tenants:

@@ -55,7 +55,7 @@ def engine_left_clean(request):
         assert current().wait_background(120)
         assert not engine.live_requests()
         engine.check_invariants()
-        assert all(b.ref_count == 0 for b in engine.pool.blocks)
+        assert all(b.ref_count == 0 for b in engine._pool.blocks)
 
 
 def greedy_alone(prompt_text: str, max_tokens: int) -> str:
@@ -103,16 +103,16 @@ def test_without_an_engine_magics_say_to_load_one(ip, monkeypatch, capsys):
 def test_load_summary_line_states_the_kv_geometry(ip):
     line = "loaded " + current().summary_line()
     engine = current().engine
-    assert f"{engine.pool.num_blocks:,} blocks × 16 = {engine.pool.num_blocks * 16:,} tokens" in line
+    assert f"{engine._pool.num_blocks:,} blocks × 16 = {engine._pool.num_blocks * 16:,} tokens" in line
     assert f"{46080 * 16:,} bytes per block" in line
     assert "SmolLM2-135M-Instruct on cpu (float32)" in line
     # %pagedkv load owns its model: each weight is held once, packed (no second copy).
-    assert engine.hold_weights and engine.runner.packed.extra_bytes == 0
-    kind = engine.runner.prefill_kind
+    assert engine._hold_weights and engine._runner.packed.extra_bytes == 0
+    native = engine._runner.plan.prefill_attention.choice == "native"
+    kind = ("prefill attention in C++ (prefill_attention.cpp)" if native
+            else "prefill attention by torch's SDPA (this CPU lacks AVX-512)")
     assert line.endswith("GEMMs on packed weights (each weight held once), steps in the lean loop "
                          f"(decode steps in C++), {kind}")
-    assert kind in ("prefill attention in C++ (prefill_attention.cpp)",
-                    "prefill attention by torch's SDPA (this CPU lacks AVX-512)")
 
 
 def test_status_monitor_and_requests_show_the_pool(ip, capsys):
@@ -121,6 +121,9 @@ def test_status_monitor_and_requests_show_the_pool(ip, capsys):
     run(ip, "%pagedkv status")
     status = capsys.readouterr().out
     assert "blocks:" in status and "prefix cache:" in status and "engine thread: running" in status
+    plan = current().engine._runner.plan
+    assert f"execution plan:\n  backend: {plan.backend}\n  decode steps: {plan.decode_steps}\n" in status
+    assert f"  forward: native ({plan.forward.reason})\n" in status      # the embedded model: C++ decode steps
     run(ip, "%pagedkv monitor")
     assert "legend (one character per block): . free  c cached" in capsys.readouterr().out
     run(ip, "%pagedkv requests")
@@ -437,7 +440,7 @@ def test_ctrl_c_aborts_the_cells_requests_and_frees_their_blocks(ip, capsys, sig
     assert ip.user_ns["survivor"].finish_reason == "length"     # the background job kept running
     assert not engine.live_requests()
     engine.check_invariants()
-    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert all(b.ref_count == 0 for b in engine._pool.blocks)
     run(ip, f"{GEN} --out after\nStill there?")                    # the engine keeps serving
     assert ip.user_ns["after"].finish_reason == "length"
 
@@ -451,7 +454,7 @@ def test_ctrl_c_in_a_chat_drops_the_turn_and_keeps_the_session(ip, capsys, sigin
     assert "interrupted: aborted 1 request of this cell" in capsys.readouterr().err
     assert current().chats["calm"].messages == before
     engine = current().engine
-    assert not engine.live_requests() and all(b.ref_count == 0 for b in engine.pool.blocks)
+    assert not engine.live_requests() and all(b.ref_count == 0 for b in engine._pool.blocks)
     run(ip, "%%chat calm --max-tokens 4 --out o\nStill there?")
     assert len(current().chats["calm"].messages) == len(before) + 2
 
@@ -576,7 +579,7 @@ def test_unload_gives_the_memory_back(ip, capsys):
     run(ip, "%pagedkv load --kv-cache-memory 128MiB --dtype float32")
     run(ip, f"{GEN}\nHello.")
     engine = current().engine
-    refs = [weakref.ref(x) for x in (engine, engine.model, engine.kv_cache.k, engine.kv_cache.v,
+    refs = [weakref.ref(x) for x in (engine, engine.model, engine._kv_cache.k, engine._kv_cache.v,
                                       next(engine.model.parameters()))]
     del engine
     run(ip, "%pagedkv unload")

@@ -162,7 +162,7 @@ def test_interrupt_aborts_the_cell_and_leaves_no_block_referenced(kernel, tmp_pa
         "engine = current().engine\n"
         "engine.check_invariants()\n"
         "print('live', len(engine.live_requests()), 'referenced', "
-        "sum(b.ref_count > 0 for b in engine.pool.blocks))")
+        "sum(b.ref_count > 0 for b in engine._pool.blocks))")
     assert not errors(after), errors(after)
     assert text_of(after).strip() == "live 0 referenced 0"
     again = kernel.execute("%%generate --max-tokens 4 --out ok\nHi.\n")

@@ -134,15 +134,15 @@ def local():
     yield engine
     while engine.has_unfinished_requests():            # the live request goes on, exactly
         engine.step()
-    done = next(r for r in engine.finished_requests if r.request_id == rid)
-    assert engine.outputs.output(done).token_ids == hf_greedy(model, live, 6, stop_at_eos=False)
+    done = next(r for r in engine._finished if r.request_id == rid)
+    assert engine._outputs.output(done).token_ids == hf_greedy(model, live, 6, stop_at_eos=False)
     engine.check_invariants()
 
 
 def pool_state(engine) -> tuple:
     """Everything about the local pool a misbehaving server could change: each block's references
     and cached hash, the free queue's order, the live requests' tables."""
-    pool = engine.pool
+    pool = engine._pool
     return (pool.ref_counts().tolist(), [b.block_hash for b in pool.blocks],
             [b.block_id for b in pool.free_queue],
             {r.request_id: [s.block_table.block_ids for s in r.seqs] for r in engine.live_requests()})

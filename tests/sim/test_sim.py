@@ -42,7 +42,7 @@ def test_the_simulator_mirrors_the_engine_configuration(make_engine):
                          swap_space="1MiB")
     cfg = sim_config_of(engine)
     assert (cfg.num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.preemption_mode) == (40, 4, 3, "swap")
-    assert cfg.swap_blocks == engine.swap.num_slots > 0
+    assert cfg.swap_blocks == engine._swap.num_slots > 0
 
 
 def test_serve_measures_latency_from_the_intended_arrival(make_engine):

@@ -62,7 +62,7 @@ def test_external_fragmentation_is_counted_when_it_happens(make_engine):
             if refused_by_layout(engine):
                 captions.append(describe_refusal(engine))
     b = meter.breakdown()
-    arena = engine.scheduler.kv.arena
+    arena = engine._scheduler.kv.arena
     assert arena.num_refused_external > 0
     assert b.external_steps == arena.num_refused_external == len(captions)
     assert b.external > 0 and b.fraction("external") < 1

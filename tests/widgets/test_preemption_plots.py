@@ -37,7 +37,7 @@ def test_the_pool_timeline_of_a_preempting_run_has_labelled_axes_and_legends_off
         with PoolRecorder(engine) as rec:
             engine.generate(random_prompts(6, 256, seed=21, hi=30), SamplingParams(max_tokens=16, temperature=0.0,
                                                                              ignore_eos=True))
-        timelines[mode], preempted[mode] = rec.timeline, engine.scheduler.num_preemptions
+        timelines[mode], preempted[mode] = rec.timeline, engine._scheduler.num_preemptions
     assert all(preempted.values()), "the run must preempt for the figure to show it"
     fig = pool_timeline_figure(timelines, pool_blocks=16, block_size=4)
     labels = check_figure(fig, expect_labels=("(s)", "blocks (4 tokens each)", "requests (count)"))

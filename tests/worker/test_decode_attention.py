@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jupyter_pagedkv.worker.native_decode import decode_attention_kernel, load_extension
+from jupyter_pagedkv.worker.native_decode import load_extension
+from jupyter_pagedkv.worker.plan import decide_decode_attention
 
 BLOCK = 16
 
@@ -94,9 +95,9 @@ def test_bad_arguments_get_one_line_errors(kernel):
 
 def test_the_engine_option_chooses_the_kernel_or_sdpa():
     cpu = torch.device("cpu")
-    assert decode_attention_kernel("auto", cpu, "torch") is load_extension().paged_decode_attention
-    assert decode_attention_kernel("torch", cpu, "torch") is None
-    assert decode_attention_kernel("auto", cpu, "triton") is None
+    assert decide_decode_attention("auto", cpu, "torch")[1] is load_extension().paged_decode_attention
+    assert decide_decode_attention("torch", cpu, "torch")[1] is None
+    assert decide_decode_attention("auto", cpu, "triton")[1] is None
     with pytest.raises(ValueError, match="decode_attention='native' runs on the CPU with the torch attention "
                                          "backend only .*use 'auto'"):
-        decode_attention_kernel("native", cpu, "triton")
+        decide_decode_attention("native", cpu, "triton")

@@ -45,7 +45,7 @@ def test_an_engine_holding_a_models_weights_keeps_one_copy_and_matches_transform
     refs = [hf_greedy(oracle, p, 20, stop_at_eos=False) for p in PROMPTS]
     before = plain_weights(model)
     engine = make_engine(model, keep_plain_weights=False)
-    assert engine.hold_weights and engine.runner.packed.extra_bytes == 0
+    assert engine._hold_weights and engine._runner.packed.extra_bytes == 0
     held = [m for m in linears(model) if m.__dict__.get("_pagedkv_held")]
     assert len(held) == 15 and all(held_weights.is_placeholder(m.weight) for m in held)
     assert all(m.weight.shape == before[n + ".weight"].shape for n, m in model.named_modules() if m in held)
@@ -65,8 +65,8 @@ def test_an_engine_holding_a_models_weights_keeps_one_copy_and_matches_transform
 def test_a_model_passed_in_keeps_its_plain_weights_by_default(make_engine):
     model = tiny_model("llama")
     engine = make_engine(model)
-    assert engine.pack_weights and not engine.hold_weights
-    assert engine.runner.packed.extra_bytes == sum(m.weight.numel() * 4 for m in linears(model))
+    assert engine._pack_weights and not engine._hold_weights
+    assert engine._runner.packed.extra_bytes == sum(m.weight.numel() * 4 for m in linears(model))
     assert "beside the plain weights" in engine.info().summary
 
 
@@ -121,7 +121,7 @@ def test_engines_sharing_a_held_model_release_it_only_when_the_last_one_goes(mak
 def test_an_unloaded_model_the_engine_owned_frees_its_weights_and_says_so(make_engine):
     model = tiny_model("llama")
     engine = make_engine(model, keep_plain_weights=False)
-    engine.owns_model = True            # as Engine.from_pretrained builds it
+    engine._owns_model = True            # as Engine.from_pretrained builds it
     engine.shutdown()
     assert all("_pagedkv_packed" not in m.__dict__ and "_pagedkv_group" not in m.__dict__ for m in linears(model))
     with pytest.raises(RuntimeError, match="unloaded from its engine.*load the model again"):

@@ -64,12 +64,12 @@ def step_inputs(make_engine, backend: str) -> tuple[HostData, object]:
     for p in random_prompts(3, 256, seed=8, lo=3, hi=20):
         engine.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()                                                    # prefills
-    chunks = engine.scheduler.schedule().chunks                      # a decode step
+    chunks = engine._scheduler.schedule().chunks                      # a decode step
     mode = HostData()
     with mode:
-        engine.runner.prepare(chunks)
+        engine._runner.prepare(chunks)
     for c in chunks:
-        engine.scheduler.finish(c.seq, "abort")
+        engine._scheduler.finish(c.seq, "abort")
     return mode, engine
 
 
@@ -94,6 +94,7 @@ def test_the_triton_path_is_token_identical_to_transformers_and_counts_one_copy_
 def test_the_engine_warms_every_kernel_variant_for_its_layers_with_and_without_the_window(make_engine):
     # On CUDA `Engine.__init__` does this; here the same launches run in Triton's interpreter.
     engine = make_engine(tiny_model("mistral-window48"), block_size=16, attention_backend="triton")
-    roles = engine._warm_kernels()
+    from jupyter_pagedkv.worker.kernels_bridge import warm_up_model_kernels
+    roles = warm_up_model_kernels(engine.model, engine._kv_cache, engine.device)
     once = ["decode", "decode split", "merge", "prefill", "prefill split", "write_kv", "copy_blocks"]
     assert roles == once + once + ["copy_blocks on the cache"]   # unwindowed layers, windowed ones, the real cache

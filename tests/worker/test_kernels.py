@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from jupyter_pagedkv.worker import kernels_bridge
-from jupyter_pagedkv.worker.kernels_bridge import KERNELS_PACKAGE, kernel_module, resolve_backend
+from jupyter_pagedkv.worker.kernels_bridge import KERNELS_PACKAGE, kernel_module
+from jupyter_pagedkv.worker.plan import BACKEND_ENV, resolve_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device(os.environ.get("PAGEDKV_KERNEL_TEST_DEVICE", "cpu"))
@@ -228,7 +229,7 @@ def test_a_batch_without_tokens_returns_an_empty_output(kernels):
 
 
 def test_bridge_adapts_paged_metadata_and_strided_queries(kernels):
-    from jupyter_pagedkv.worker.attention import PagedMetadata
+    from jupyter_pagedkv.worker.paged_metadata import PagedMetadata
     b = make_batch([1, 6], [40, 6], heads=6, kv_heads=2)
     strided_q = b.query.transpose(0, 1).contiguous().transpose(0, 1)     # [T, heads, d] view
     meta = PagedMetadata(kv_cache=None, slot_mapping=torch.full((7,), -1, device=DEVICE),
@@ -302,12 +303,12 @@ def test_swap_blocks_out_and_back_in_restores_the_contents(kernels):
 # --- dispatch, packaging, benchmark ----------------------------------------------------------
 
 def test_auto_backend_is_torch_on_the_cpu_and_either_can_be_forced(kernels, monkeypatch):
-    monkeypatch.delenv(kernels_bridge.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert resolve_backend("cpu") == "torch"
     assert resolve_backend("cpu", "torch") == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("cpu", "triton") == "triton"
-    monkeypatch.setenv(kernels_bridge.BACKEND_ENV, "triton")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
     assert resolve_backend("cpu") == "triton"
 
 
@@ -372,7 +373,7 @@ def test_engine_on_the_triton_backend_generates_what_the_torch_backend_does(kern
         outs[backend] = [[c.token_ids for c in o.outputs]
                          for o in engine.generate(prompts, [params, forked, params])]
         engine.check_invariants()
-        assert engine.runner.backend == backend
+        assert engine._runner.backend == backend
     assert outs["triton"] == outs["torch"]
 
 

@@ -59,14 +59,14 @@ def _step_logits(make_engine, model, step_loop: str, **options) -> tuple[list[to
     prefill, mixed decode + prefill steps, decode-only steps), and the engine."""
     engine = make_engine(model, step_loop=step_loop, **options)
     seen: list[torch.Tensor] = []
-    execute = engine.runner.execute
+    execute = engine._runner.execute
 
     def recording(*args, **kwargs):
         chunks, logits = execute(*args, **kwargs)
         seen.append(logits.clone())
         return chunks, logits
 
-    engine.runner.execute = recording
+    engine._runner.execute = recording
     shared = random_prompts(1, 256, seed=3, lo=40, hi=41)[0]
     prompts = [shared + p for p in random_prompts(6, 256, seed=5, lo=3, hi=30)]
     engine.generate(prompts[:2], GREEDY)              # leaves the shared prefix cached
@@ -89,16 +89,16 @@ def test_engine_steps_are_bit_identical_to_the_models_own_forward(make_engine, a
     model = tiny_model(arch).to(dtype)
     theirs, _ = _step_logits(make_engine, model, "model", **OPTIONS)
     lean, engine = _step_logits(make_engine, model, "lean", **OPTIONS)
-    assert engine.runner.lean is not None and engine.runner.lean.native is None
+    assert engine._runner.lean is not None and engine._runner.lean.native is None
     _assert_same_steps(lean, theirs)
     # Decode steps in C++ wherever the projections are packed (bf16 only on CPUs with bf16 GEMMs).
     native, engine = _step_logits(make_engine, model, "auto", **OPTIONS)
-    loop = engine.runner.lean.native
+    loop = engine._runner.lean.native
     if dtype in packable_dtypes():
-        assert loop is not None and loop.proven and loop.enabled, engine.runner.forward_kind
+        assert loop is not None and loop.proven and loop.enabled, engine._runner.plan.forward.reason
         assert "decode steps in C++" in engine.info().summary
     else:
-        assert loop is None and "not packed" in engine.runner.forward_kind
+        assert loop is None and "not packed" in engine._runner.plan.forward.reason
     _assert_same_steps(native, theirs)
 
 
@@ -111,7 +111,7 @@ def test_the_cpp_loop_is_proven_on_its_first_step_and_dropped_if_it_differs(make
     run = NativeDecode.run
     monkeypatch.setattr(NativeDecode, "run", lambda self, h, *a: run(self, h, *a) * (1 + 2 ** -10))
     ours, engine = _step_logits(make_engine, model, "native", **OPTIONS)
-    loop = engine.runner.lean.native
+    loop = engine._runner.lean.native
     assert not loop.enabled and not loop.proven
     assert "steps in the lean loop" in engine.info().summary and "C++" not in engine.info().summary
     _assert_same_steps(ours, theirs)
@@ -125,7 +125,7 @@ def test_step_loop_options_that_cannot_run_say_so_in_one_line(make_engine):
     with pytest.raises(ValueError, match="torch attention backend only"):
         make_engine(tiny_model("llama"), step_loop="lean", attention_backend="triton")
     engine = make_engine(tiny_model("qwen3"))           # auto: its own forward, and why
-    assert engine.runner.lean is None and "attention has parts beyond" in engine.runner.forward_kind
+    assert engine._runner.lean is None and "attention has parts beyond" in engine._runner.plan.forward.reason
 
 
 def test_the_cpp_loop_builds_here():
@@ -164,12 +164,12 @@ def test_hooks_added_after_the_build_divert_steps_to_the_models_own_forward(make
     handle = model.model.layers[1].mlp.register_forward_hook(lambda m, args, out: out * 3.0)
     try:
         hooked = [o.token_ids for o in engine.generate(prompts, GREEDY)]
-        assert not engine.runner.lean.usable()
+        assert not engine._runner.lean.usable()
         reference = [o.token_ids for o in make_engine(model, step_loop="model").generate(prompts, GREEDY)]
     finally:
         handle.remove()
     assert hooked == reference and hooked != plain          # the hook acted, through the model's forward
-    assert engine.runner.lean.usable()
+    assert engine._runner.lean.usable()
     engine.reset_prefix_cache()       # its cached prompt blocks were computed by the hooked model
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain
 
@@ -237,11 +237,11 @@ def test_a_module_swapped_after_the_build_diverts_steps_to_the_models_own_forwar
     attn.o_proj = Scaled(original)
     try:
         swapped = [o.token_ids for o in engine.generate(prompts, GREEDY)]
-        assert not engine.runner.lean.usable()
+        assert not engine._runner.lean.usable()
         reference = [o.token_ids for o in make_engine(model, step_loop="model").generate(prompts, GREEDY)]
     finally:
         attn.o_proj = original
     assert swapped == reference and swapped != plain
-    assert engine.runner.lean.usable()
+    assert engine._runner.lean.usable()
     engine.reset_prefix_cache()       # its cached prompt blocks were computed by the changed model
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain

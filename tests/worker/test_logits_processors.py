@@ -26,7 +26,7 @@ LOOPING = [p[:5] * 3 for p in PROMPTS]
 def unmeasured(engine):
     """Speculation sized without wall-clock measurements (which vary with the machine's load):
     every draft length keeps its assumed cost, so what is drafted depends on the tokens alone."""
-    engine.speculator.cost.observe = lambda num_tokens, seconds: None
+    engine._speculator.cost.observe = lambda num_tokens, seconds: None
     return engine
 
 
@@ -108,11 +108,11 @@ def test_processors_stay_exact_under_preemption_prefix_hits_and_speculation(make
                                      for p in prompts])
     assert [o.outputs[0].token_ids for o in outs] == [hf_generate(p, **combined(p, how)[1]) for p in prompts]
     if how in ("recompute", "swap"):
-        assert engine.scheduler.num_preemptions > 0
+        assert engine._scheduler.num_preemptions > 0
     if how == "swap":
-        assert engine.scheduler.num_swap_outs > 0
+        assert engine._scheduler.num_swap_outs > 0
     if how == "speculative":
-        assert engine.speculator.stats.num_accepted > 0
+        assert engine._speculator.stats.num_accepted > 0
     if how == "prefix-hit":
         assert all(o.num_cached_tokens >= 12 for o in outs)
 
@@ -125,7 +125,7 @@ def test_speculation_with_processors_sees_the_drafts_before_each_position(make_e
     pair = [base[9], base[10]]
     got = ours(engine, [prompt], bad_words=[pair])
     assert got == [hf_generate(prompt, bad_words_ids=[pair])] and got != [base]
-    assert engine.speculator.stats.num_accepted > 0
+    assert engine._speculator.stats.num_accepted > 0
 
 
 @torch.inference_mode()
@@ -244,4 +244,4 @@ def test_unknown_token_ids_are_refused_before_anything_is_queued(make_engine, pa
     with pytest.raises(ValueError) as err:
         engine.add_request(PROMPTS[0], SamplingParams(**params))
     assert message in str(err.value) and "\n" not in str(err.value)
-    assert not engine.scheduler.has_work()
+    assert not engine._scheduler.has_work()

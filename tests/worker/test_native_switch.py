@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from jupyter_pagedkv.worker import native_switch, prefill_attention
-from jupyter_pagedkv.worker.native_decode import decode_attention_kernel
+from jupyter_pagedkv.worker import native_switch
+from jupyter_pagedkv.worker.plan import Decision, decide_decode_attention, decide_prefill_attention
 
 CPU = torch.device("cpu")
 WHY = "JUPYTER_PAGEDKV_NATIVE=0 forces the fallbacks"
@@ -33,16 +33,15 @@ def test_unset_leaves_native_kernels_allowed(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_falls_back_to_sdpa_and_says_why(switched_off, dtype):
-    module, why = prefill_attention.plan("auto", CPU, "torch", dtype, 64)
-    assert module is None and why == f"prefill attention by torch's SDPA ({WHY})"
+    assert decide_prefill_attention("auto", CPU, "torch", dtype, 64) == (Decision("sdpa", WHY), None)
     with pytest.raises(ValueError, match=f"^prefill_attention='native' cannot run here: {WHY}; use 'auto'"):
-        prefill_attention.plan("native", CPU, "torch", dtype, 64)
+        decide_prefill_attention("native", CPU, "torch", dtype, 64)
 
 
 def test_decode_attention_falls_back_to_sdpa(switched_off):
-    assert decode_attention_kernel("auto", CPU, "torch") is None
+    assert decide_decode_attention("auto", CPU, "torch") == (Decision("sdpa", WHY), None)
     with pytest.raises(ValueError, match=f"^decode_attention='native' cannot run here: {WHY}"):
-        decode_attention_kernel("native", CPU, "torch")
+        decide_decode_attention("native", CPU, "torch")
 
 
 def test_an_engine_runs_every_step_without_cpp_and_stays_exact(switched_off, make_engine):
@@ -51,9 +50,10 @@ def test_an_engine_runs_every_step_without_cpp_and_stays_exact(switched_off, mak
 
     model = tiny_model("llama-gqa64")
     engine = make_engine(model, block_size=4)
-    runner = engine.runner
+    runner = engine._runner
     assert runner.prefill_kernel is None and runner.decode_kernel is None
     assert runner.lean is None or runner.lean.native is None
+    assert runner.plan.forward.choice != "native" and WHY in runner.plan.prefill_attention.reason
     prompt = [5, 9, 3, 7, 11, 42]
     out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert_same_or_near_tie(model, prompt, out[0].token_ids, hf_greedy(model, prompt, 6, stop_at_eos=False))

@@ -101,16 +101,16 @@ def test_the_engine_packs_by_default_and_generates_what_hf_generates(make_engine
     prompts = [[5, 9, 11, 40, 7], list(range(3, 40)), [100] * 12]
     refs = [hf_greedy(model, p, 24, stop_at_eos=False) for p in prompts]
     engine = make_engine(model)
-    assert engine.pack_weights and len(engine.runner.packed.layers) == 15
+    assert engine._pack_weights and len(engine._runner.packed.layers) == 15
     # Packed at start, each weight exactly once (the groups learned from a one-token forward).
-    assert engine.runner.packed.nbytes == sum(m.weight.numel() * 4 for m in engine.runner.packed.layers)
+    assert engine._runner.packed.nbytes == sum(m.weight.numel() * 4 for m in engine._runner.packed.layers)
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     # Learned in the first step: per decoder layer q/k/v and gate/up are one GEMM each.
-    assert [len(g.members) for g in engine.runner.packed.groups] == [3, 2, 3, 2]
+    assert [len(g.members) for g in engine._runner.packed.groups] == [3, 2, 3, 2]
     for p, o, r in zip(prompts, outs, refs):
         assert_same_or_near_tie(model, p, o.token_ids, r)
     unpacked = make_engine(tiny_model("qwen3", seed=5), pack_weights=False)
-    assert not unpacked.pack_weights and unpacked.runner.packed.layers == []
+    assert not unpacked._pack_weights and unpacked._runner.packed.layers == []
 
 
 class Siblings(nn.Module):

@@ -33,7 +33,7 @@ def test_ragged_decode_is_token_identical_to_unpadded_and_to_transformers(make_e
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     for p, o in zip(prompts, b):
         assert_same_or_near_tie(MODEL, p, o.token_ids, hf_greedy(MODEL, p, 20, stop_at_eos=False))
-    runner = padded.runner
+    runner = padded._runner
     # Every decode-only step ran padded; each row count went to the smallest bucket that holds it.
     assert runner.padded.num_steps >= 19 and set(runner.padded._batches) <= {1, 2, 4, 8}
 
@@ -72,13 +72,13 @@ def test_speculation_decodes_identically(make_engine, draft):
 
 def test_padding_rows_write_only_the_scratch_block(make_engine):
     engine = make_engine(MODEL, block_size=4, num_blocks=64, pad_decode=True)
-    kv = engine.kv_cache
+    kv = engine._kv_cache
     assert kv.scratch_block == 64 and kv.k.shape[1] == 65        # one block past the pool
     kv.k[:, kv.scratch_block] = 7.0                               # a sentinel: only padding rows write here
     # 3 rows decode in bucket 4: one padding row per step.
     engine.generate(random_prompts(3, 256, seed=2, lo=5, hi=9), SamplingParams(max_tokens=6, ignore_eos=True))
-    assert engine.runner.padded.num_steps == 5
-    used = {b.block_id for b in engine.pool.blocks if b.block_hash is not None}
+    assert engine._runner.padded.num_steps == 5
+    used = {b.block_id for b in engine._pool.blocks if b.block_hash is not None}
     never_used = [i for i in range(64) if i not in used and i >= 16]
     assert never_used and all(float(kv.k[:, i].abs().sum()) == 0.0 for i in never_used)
     assert not (kv.k[:, kv.scratch_block, 0] == 7.0).any()        # slot 0 of scratch: written
@@ -106,14 +106,14 @@ def padded_forward_syncs(make_engine, backend: str) -> list[str]:
     for p in random_prompts(3, 256, seed=6, lo=3, hi=30):
         engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()                                                   # the prefill
-    chunks = engine.scheduler.schedule().chunks                     # a decode-only step
-    batch = engine.runner.padded.prepare(chunks)
+    chunks = engine._scheduler.schedule().chunks                     # a decode-only step
+    batch = engine._runner.padded.prepare(chunks)
     assert batch is not None and batch.size == 4
     mode = HostSyncs()
     with torch.inference_mode(), mode:
-        engine.runner.padded.run(batch, len(chunks))
+        engine._runner.padded.run(batch, len(chunks))
     for c in chunks:                                                # leave the engine consistent
-        engine.scheduler.finish(c.seq, "abort")
+        engine._scheduler.finish(c.seq, "abort")
     return mode.found
 
 
@@ -150,29 +150,29 @@ def graphs_with(make_engine, monkeypatch, skew: float):
 
     monkeypatch.setattr(PaddedDecode, "_capture", capture)
     engine = make_engine(MODEL, block_size=4, pad_decode=True, max_num_seqs=8)
-    engine.runner.padded.capture = True          # what cuda_graphs does on a GPU
+    engine._runner.padded.capture = True          # what cuda_graphs does on a GPU
     return engine
 
 
 def test_verified_graphs_replay_and_info_says_so(make_engine, monkeypatch):
     engine = graphs_with(make_engine, monkeypatch, skew=0.0)
-    assert engine.warm_up() == len(engine.runner.padded.buckets) == 4
+    assert engine.warm_up() == len(engine._runner.padded.buckets) == 4
     assert "decode steps as CUDA graphs (4 of 4 buckets captured and verified)" in engine.info().summary
     # Each graph was checked on rows whose contexts reach the longest the buffers hold.
-    padded = engine.runner.padded
+    padded = engine._runner.padded
     assert padded._batches[8].seq_lens.tolist()[-1] == padded.max_blocks * 4
     assert engine.warm_up() == 4                   # a second call captures nothing and still says 4
     prompts = random_prompts(3, 256, seed=31, lo=2, hi=20)
     for p, o in zip(prompts, engine.generate(prompts, GREEDY)):
         assert_same_or_near_tie(MODEL, p, o.token_ids, hf_greedy(MODEL, p, 20, stop_at_eos=False))
-    assert engine.runner.padded.num_replays >= 19
+    assert engine._runner.padded.num_replays >= 19
 
 
 def test_a_graph_that_replays_other_logits_turns_graphs_off_with_one_line(make_engine, monkeypatch, caplog):
     engine = graphs_with(make_engine, monkeypatch, skew=0.5)
     with caplog.at_level("WARNING"):
         assert engine.warm_up() == 0
-    padded = engine.runner.padded
+    padded = engine._runner.padded
     assert not padded.capture and padded.num_verified == 0
     lines = [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0] and "away from the eager step" in lines[0]
@@ -191,15 +191,18 @@ def test_a_capture_error_turns_graphs_off(make_engine, monkeypatch):
 
     monkeypatch.setattr(PaddedDecode, "_capture", broken)
     engine = make_engine(MODEL, block_size=4, pad_decode=True, max_num_seqs=8)
-    engine.runner.padded.capture = True
+    engine._runner.padded.capture = True
     assert engine.warm_up() == 0
     assert engine.info().summary.count("capture failed (RuntimeError: operation not permitted when "
                                        "stream is capturing)") == 1
 
 
 def test_cuda_graphs_default_on_only_where_they_can_run():
-    from jupyter_pagedkv.engine.setup import use_cuda_graphs
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert use_cuda_graphs(None, cuda, "triton") and not use_cuda_graphs(None, cuda, "torch")
-    assert not use_cuda_graphs(None, cpu, "torch") and not use_cuda_graphs(False, cuda, "triton")
-    assert use_cuda_graphs(True, cpu, "torch")     # insisting reaches PaddedDecode's one-line refusal
+    from jupyter_pagedkv.worker.plan import decide_decode_steps
+
+    def steps(graphs, device, backend, pad=False):
+        return decide_decode_steps(graphs, pad, torch.device(device), backend).choice
+    assert steps(None, "cuda", "triton") == "graphs" and steps(None, "cuda", "torch") == "flat"
+    assert steps(None, "cpu", "torch") == "flat" and steps(False, "cuda", "triton") == "flat"
+    assert steps(True, "cpu", "torch") == "graphs"    # insisting reaches PaddedDecode's one-line refusal
+    assert steps(None, "cpu", "torch", pad=True) == "padded" and steps(False, "cuda", "triton", pad=True) == "padded"

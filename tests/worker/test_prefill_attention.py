@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from jupyter_pagedkv.worker import attention
-from jupyter_pagedkv.worker.attention import PagedMetadata, PrefillChunk, paged_attention_torch
+from jupyter_pagedkv.worker import prefill_attention, sdpa
+from jupyter_pagedkv.worker.attention import paged_attention_torch
+from jupyter_pagedkv.worker.paged_metadata import PagedMetadata, PrefillChunk
 
 _spec = importlib.util.spec_from_file_location(
     "prefill_reference", Path(__file__).resolve().parents[2] / "kernels" / "reference.py")
@@ -89,7 +90,7 @@ def test_prefill_chunks_match_the_reference_at_random_shapes(seed, dtype, monkey
               (draw(100, 400), 2), (70, 70)]
     window = [None, None, draw(8, 60), draw(60, 200)][seed % 4]
     merged = []
-    monkeypatch.setattr(attention, "attend_after_prefix",
+    monkeypatch.setattr(prefill_attention, "attend_after_prefix",
                         lambda *a, **kw: merged.append(1) or _attend_after_prefix(*a, **kw))
     query, k_cache, v_cache, meta, new_k, new_v = prefill_batch(chunks, heads, kv_heads, head_dim, block_size,
                                                                 dtype, g)
@@ -107,13 +108,13 @@ def test_prefill_chunks_match_the_reference_at_random_shapes(seed, dtype, monkey
     assert chunk.keys(k2, 0, 2).data_ptr() == k2[chunk.first_block].data_ptr()     # a view, no copy
 
 
-_attend_after_prefix = attention.attend_after_prefix
+_attend_after_prefix = sdpa.attend_after_prefix
 
 
 def test_a_window_that_cuts_and_soft_capping_keep_the_masked_path(monkeypatch):
     g = torch.Generator().manual_seed(5)
     query, k_cache, v_cache, meta, new_k, new_v = prefill_batch([(200, 30)], 4, 2, 16, 4, torch.float32, g)
-    monkeypatch.setattr(attention, "attend_after_prefix", lambda *a, **kw: pytest.fail("split path taken"))
+    monkeypatch.setattr(prefill_attention, "attend_after_prefix", lambda *a, **kw: pytest.fail("split path taken"))
     out = paged_attention_torch(query, k_cache, v_cache, meta, 0.25, 64, new_k, new_v)
     assert (out - expected(query, k_cache, v_cache, meta, 0.25, 64)).abs().max().item() <= 1e-5
     capped = paged_attention_torch(query, k_cache, v_cache, meta, 0.25, None, new_k, new_v, softcap=2.0)
@@ -130,7 +131,7 @@ def test_the_merge_by_log_sum_exp_equals_one_softmax_over_prefix_and_chunk():
     q = torch.randn(1, 6, 9, 32, generator=g)
     k = torch.randn(1, 2, 40, 32, generator=g)
     v = torch.randn(1, 2, 40, 32, generator=g)
-    out = attention.attend_after_prefix(q, k[:, :, :31], v[:, :, :31], k[:, :, 31:], v[:, :, 31:], 0.2)
+    out = sdpa.attend_after_prefix(q, k[:, :, :31], v[:, :, :31], k[:, :, 31:], v[:, :, 31:], 0.2)
     visible = torch.arange(40).view(1, -1) <= torch.arange(31, 40).view(-1, 1)
     kr, vr = k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1)
     scores = (q.double() @ kr.transpose(-1, -2) * 0.2).masked_fill(~visible, float("-inf"))

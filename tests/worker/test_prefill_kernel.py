@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jupyter_pagedkv.worker import attention, prefill_attention
+from jupyter_pagedkv.worker import prefill_attention, sdpa
 from jupyter_pagedkv.worker.attention import paged_attention_torch
+from jupyter_pagedkv.worker.plan import Decision, decide_prefill_attention
 
 from test_prefill_attention import TOLERANCE, expected, laid_out_consecutively, prefill_batch
 
@@ -19,15 +20,15 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def kernel_for(dtype):
     """The kernel module where this CPU runs it for `dtype`, else None (and why, checked)."""
-    module, why = prefill_attention.plan("auto", torch.device("cpu"), "torch", dtype, 64)
+    why, module = decide_prefill_attention("auto", torch.device("cpu"), "torch", dtype, 64)
     if module is None:
-        assert "lacks AVX-512" in why or "did not build" in why, why
+        assert "lacks AVX-512" in why.reason or "did not build" in why.reason, why
     return module
 
 
 def assert_native_refused(dtype) -> None:
     with pytest.raises(ValueError, match=r"^prefill_attention='native' cannot run here: .*; use 'auto' or 'torch'$"):
-        prefill_attention.plan("native", torch.device("cpu"), "torch", dtype, 64)
+        decide_prefill_attention("native", torch.device("cpu"), "torch", dtype, 64)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -120,24 +121,26 @@ def test_heads_laid_out_as_the_models_forward_gives_them(dtype):
 
 def test_modes_and_what_the_engine_is_told():
     cpu = torch.device("cpu")
-    assert prefill_attention.plan("torch", cpu, "torch", torch.float32, 64) == (None, "prefill attention by torch's SDPA")
-    module, why = prefill_attention.plan("auto", cpu, "torch", torch.float16, 64)
-    assert module is None and why == "prefill attention by torch's SDPA (the kernel serves float32 and bfloat16, not float16)"
-    assert prefill_attention.plan("auto", cpu, "torch", torch.float32, 16)[0] is None
-    assert prefill_attention.plan("auto", cpu, "triton", torch.float32, 64)[0] is None
+    assert decide_prefill_attention("torch", cpu, "torch", torch.float32, 64) == (
+        Decision("sdpa", "prefill_attention='torch'"), None)
+    assert decide_prefill_attention("auto", cpu, "torch", torch.float16, 64) == (
+        Decision("sdpa", "the kernel serves float32 and bfloat16, not float16"), None)
+    assert decide_prefill_attention("auto", cpu, "torch", torch.float32, 16)[1] is None
+    assert decide_prefill_attention("auto", cpu, "triton", torch.float32, 64) == (
+        Decision("triton", "the Triton backend's paged attention kernel"), None)
     with pytest.raises(ValueError, match=r"^prefill_attention='native' cannot run here: the kernel serves head "
                                          r"sizes 64 and 128, not 16; use 'auto' or 'torch'$"):
-        prefill_attention.plan("native", cpu, "torch", torch.float32, 16)
+        decide_prefill_attention("native", cpu, "torch", torch.float32, 16)
     with pytest.raises(ValueError, match="must be 'auto', 'native' or 'torch'"):
-        prefill_attention.plan("fast", cpu, "torch", torch.float32, 64)
+        decide_prefill_attention("fast", cpu, "torch", torch.float32, 64)
     for dtype in DTYPES:
-        module, why = prefill_attention.plan("auto", cpu, "torch", dtype, 64)
+        why, module = decide_prefill_attention("auto", cpu, "torch", dtype, 64)
         if module is not None:
-            assert why == "prefill attention in C++ (prefill_attention.cpp)"
+            assert why.choice == "native"
         else:
-            assert why.startswith("prefill attention by torch's SDPA (") and "AVX-512" in why
+            assert why.choice == "sdpa" and "AVX-512" in why.reason
             with pytest.raises(ValueError, match="cannot run here"):
-                prefill_attention.plan("native", cpu, "torch", dtype, 64)
+                decide_prefill_attention("native", cpu, "torch", dtype, 64)
 
 
 def test_soft_capped_logits_keep_torchs_path(monkeypatch):
@@ -146,14 +149,14 @@ def test_soft_capped_logits_keep_torchs_path(monkeypatch):
     query, k_cache, v_cache, meta, new_k, new_v = prefill_batch([(0, 40), (30, 20)], 6, 2, 64, 16, torch.float32, g)
     meta.prefill_kernel = module
     monkeypatch.setattr(prefill_attention, "attend", lambda *a, **kw: pytest.fail("kernel used with a softcap"))
-    monkeypatch.setattr(attention, "_native_chunk", lambda *a, **kw: pytest.fail("kernel used with a softcap"))
+    monkeypatch.setattr(prefill_attention, "_native_chunk", lambda *a, **kw: pytest.fail("kernel used with a softcap"))
     paged_attention_torch(query, k_cache, v_cache, meta, 0.125, None, new_k, new_v, softcap=30.0)
 
 
 def test_merging_a_part_that_saw_nothing_keeps_the_other():
     o1, o2 = torch.full((3, 2, 4), 7.0), torch.randn(3, 2, 4)
     lse1 = torch.full((2, 3), float("-inf"))
-    assert torch.equal(attention.merge_by_lse(o1, lse1.t(), o2, torch.zeros(2, 3).t()), o2)
+    assert torch.equal(sdpa.merge_by_lse(o1, lse1.t(), o2, torch.zeros(2, 3).t()), o2)
 
 
 def test_a_kernel_that_does_not_build_is_one_line_and_auto_falls_back(tmp_path, monkeypatch):
@@ -172,10 +175,10 @@ def test_a_kernel_that_does_not_build_is_one_line_and_auto_falls_back(tmp_path, 
                                                    r"prefill_attention='torch'$"):
             module.load()
     monkeypatch.setattr(prefill_attention, "_KERNEL", module)
-    kernel, why = prefill_attention.plan("auto", torch.device("cpu"), "torch", torch.float32, 64)
-    assert kernel is None and why.startswith("prefill attention by torch's SDPA (the C++ prefill attention kernel did not build")
+    why, kernel = decide_prefill_attention("auto", torch.device("cpu"), "torch", torch.float32, 64)
+    assert kernel is None and why.choice == "sdpa" and why.reason.startswith("the C++ prefill attention kernel did not build")
     with pytest.raises(ValueError, match="^prefill_attention='native' cannot run here: the C\\+\\+ prefill"):
-        prefill_attention.plan("native", torch.device("cpu"), "torch", torch.float32, 64)
+        decide_prefill_attention("native", torch.device("cpu"), "torch", torch.float32, 64)
 
 
 @pytest.mark.parametrize("dtype, why", [(torch.float32, "this CPU lacks AVX-512"),
@@ -187,6 +190,5 @@ def test_a_cpu_without_the_instructions_keeps_sdpa_and_says_why(monkeypatch, dty
             return False
 
     monkeypatch.setattr(prefill_attention, "load_kernel", lambda: NoAvx512)
-    assert prefill_attention.plan("auto", torch.device("cpu"), "torch", dtype, 64) == (
-        None, f"prefill attention by torch's SDPA ({why})")
+    assert decide_prefill_attention("auto", torch.device("cpu"), "torch", dtype, 64) == (Decision("sdpa", why), None)
     assert_native_refused(dtype)
