@@ -155,7 +155,7 @@ def engines_keep_their_invariants():
     @functools.wraps(init)
     def tracked_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        built.append(BuiltEngine(weakref.ref(self), self.scheduler, self.swap, self._lock))
+        built.append(BuiltEngine(weakref.ref(self), self._scheduler, self._swap, self._lock))
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Engine, "__init__", tracked_init)

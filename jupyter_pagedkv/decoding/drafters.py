@@ -100,6 +100,20 @@ class DraftModelDrafter:
 
     needs_slots = True
 
+    @classmethod
+    def load(cls, source, dtype: torch.dtype, device: torch.device, hold_weights: bool = False,
+             **options) -> DraftModelDrafter:
+        """From a draft model id/path (loaded now, in the target's dtype; owned, so held packed and
+        released with the drafter) or a loaded model (its owner keeps it); `options` as __init__'s."""
+        if isinstance(source, str):
+            from ..worker.loader import load_model
+            return cls(load_model(source, dtype, device).model, source, device=device, owns_model=True,
+                       hold_weights=True, **options)
+        if isinstance(source, torch.nn.Module):
+            name = getattr(source.config, "_name_or_path", None) or f"draft-{id(source):x}"
+            return cls(source, name, device=device, hold_weights=hold_weights, **options)
+        raise ValueError(f"speculative must be 'ngram', a draft model id/path or a model, got {source!r}")
+
     def __init__(self, model, name: str, num_blocks: int, block_size: int, device: torch.device,
                  backend: str, target_vocab_size: int, seed: int | None = None,
                  pack_weights: bool = False, owns_model: bool = False, hold_weights: bool = False) -> None:

@@ -107,15 +107,13 @@ class FixedMask:
 class Grammars:
     """The engine's grammar compiler: each distinct spec (`StructuredOutputsParams.key`) compiles
     once with the model's tokenizer, then every request with it starts a matcher from the cached
-    result. Least recently used specs are dropped beyond `capacity`."""
+    result. Least recently used specs are dropped beyond `capacity`. xgrammar is imported, and the
+    tokenizer read, at the first spec: an engine that never sees one pays nothing."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int] | frozenset[int],
                  capacity: int = 128) -> None:
-        xgr = xgrammar()
-        self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self._compiler = None
         self.capacity = capacity
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()   # requests are added from any thread, outside the engine's lock
@@ -124,6 +122,17 @@ class Grammars:
         """The compiled grammar of `spec`; one ValueError line if xgrammar refuses it."""
         with self._lock:
             return self._compile(spec)
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need the model's tokenizer: build the engine with one")
+            xgr = xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=sorted(self.stop_token_ids) or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
 
     def _compile(self, spec: StructuredOutputsParams):
         key = spec.key()

@@ -28,6 +28,7 @@ from ..core.sequence import Sequence
 from ..core.stats import EngineCounters, EngineStats
 from ..core.tenancy import check_spec
 from ..decoding.beam_search import BeamSearchOutput
+from ..decoding.grammar import Grammars
 from ..decoding.speculative import Speculator
 from ..worker.compat import check_servable
 from ..worker.kv_cache import KVCache, KVSpec
@@ -99,7 +100,7 @@ class Engine(GenerationFront):
         self._runner = ModelRunner(model, self._kv_cache, RunnerConfig(self.device, plan, kernels, packed, padded))
         self._eos_token_ids = setup.eos_token_ids(model, tokenizer)
         self._sampler = Sampler(config.seed, self.device, self._eos_token_ids)
-        self._grammars = None      # structured outputs' compiler, built at the first such request
+        self._grammars = Grammars(tokenizer, self._vocab_size, self._eos_token_ids)   # structured outputs
         self._outputs = OutputProcessor(tokenizer, self._eos_token_ids, self.max_model_len, self._scheduler)
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
@@ -164,21 +165,12 @@ class Engine(GenerationFront):
             with self._lock:
                 self._speculator.drafters[speculative.name] = speculative
             return speculative.name
-        if isinstance(speculative, str):
-            from ..worker.loader import load_model
-            draft, name = load_model(speculative, self.dtype, self.device).model, speculative   # not under the lock
-            owned = True
-        elif isinstance(speculative, torch.nn.Module):
-            draft, owned = speculative, False
-            name = getattr(draft.config, "_name_or_path", None) or f"draft-{id(draft):x}"
-        else:
-            raise ValueError(f"speculative must be 'ngram', a draft model id/path or a model, got {speculative!r}")
-        drafter = DraftModelDrafter(draft, name, self._pool.num_blocks, self.block_size, self.device,
-                                    self._runner.backend, self._vocab_size, self._config.seed, self._pack_weights,
-                                    owns_model=owned, hold_weights=self._hold_weights or owned)
+        drafter = DraftModelDrafter.load(   # a model is loaded here, not under the lock
+            speculative, self.dtype, self.device, self._hold_weights, num_blocks=self._pool.num_blocks,
+            block_size=self.block_size, backend=self._runner.backend, target_vocab_size=self._vocab_size,
+            seed=self._config.seed, pack_weights=self._pack_weights)
         with self._lock:
-            self._speculator.drafters.setdefault(name, drafter)
-        return name
+            return self._speculator.drafters.setdefault(drafter.name, drafter).name
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: intake.Prompt, params: SamplingParams | BeamSearchParams | None = None,
@@ -209,7 +201,8 @@ class Engine(GenerationFront):
         params = intake.resolve_bad_words(params, self.tokenizer)
         intake.check_token_ids(params, self._vocab_size)
         intake.check_logprobs(params, self._vocab_size)
-        grammar = self._grammar_for(params)
+        spec = getattr(params, "structured_outputs", None)   # its grammar compiles once per distinct spec
+        grammar = self._grammars.start(spec) if spec is not None else None
         tenant = intake.check_tenant(tenant)
         if isinstance(params.speculative, str):   # last: only a request that passed every check loads one
             self.add_drafter(params.speculative)   # a draft model named per request loads once
@@ -233,19 +226,6 @@ class Engine(GenerationFront):
             self._scheduler.add(seq)
             self._work.notify_all()
         return rid
-
-    def _grammar_for(self, params: SamplingParams):
-        """The first sequence's grammar matcher, or None without structured_outputs. Each distinct
-        spec compiles once (`decoding/grammar.Grammars`, built at the first such request)."""
-        spec = getattr(params, "structured_outputs", None)
-        if spec is None:
-            return None
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs need the model's tokenizer: build the engine with one")
-            from ..decoding.grammar import Grammars
-            self._grammars = Grammars(self.tokenizer, self._vocab_size, self._eos_token_ids)
-        return self._grammars.start(spec)
 
     def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
         """Give tenant `name` a weight in the fair share of the pool (scheduling_policy="fair") and
