@@ -37,8 +37,9 @@ def test_a_hanging_test_fails_at_its_limit(tmp_path):
     pytest.importorskip("pytest_timeout", reason="pytest-timeout is missing: pip install -e '.[test]'")
     start = time.monotonic()
     rc, out = pytest_run(tmp_path, "import threading\n\n"
-                                   "def test_hangs():\n    threading.Event().wait()\n", "-o", "timeout=3")
-    assert rc == 1 and "Timeout (>3.0s) from pytest-timeout" in out and "1 failed" in out, out
+                                   "def test_hangs():\n    threading.Event().wait()\n", "-o", "timeout=5")
+    # Its limit counts the test's set-up too: on a loaded machine it may strike there (an error).
+    assert rc == 1 and "Timeout (>5.0s) from pytest-timeout" in out and ("1 failed" in out or "1 error" in out), out
     assert time.monotonic() - start < 120
 
 

@@ -239,9 +239,11 @@ class Speculator:
         return drafts
 
     def _reserve(self, seq: Sequence, k: int, sched: SchedulerOutput) -> int:
-        """Grow the table by up to `k` draft slots from blocks free beyond the watermark."""
-        kv, base = self.kv, seq.num_tokens
-        while k > 0 and not kv.fits(kv.blocks_needed(seq, base + k), self.scheduler.watermark_blocks):
+        """Grow the table by up to `k` draft slots from blocks free beyond the watermark and within
+        the tenant's max_blocks (drafts are optional: they never take a tenant past its cap)."""
+        kv, base, tenancy = self.kv, seq.num_tokens, self.scheduler.tenancy
+        while k > 0 and (not kv.fits(needed := kv.blocks_needed(seq, base + k), self.scheduler.watermark_blocks)
+                         or tenancy.over_cap(seq.tenant, needed)):
             k -= 1
         if k > 0:
             grown = kv.allocate_slots(seq, base + k, sched.copies)

@@ -114,21 +114,22 @@ def load_packed_model(path: Path, metadata: Path):
 
 
 def _set_parameter(module: nn.Module, name: str, data: np.ndarray) -> None:
-    setattr(module, name, nn.Parameter(torch.from_numpy(data.astype(np.float32)), requires_grad=False))
+    value = torch.from_numpy(data.astype(np.float32))   # host: packed weights are CPU-only
+    setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
 def _linear(data: np.ndarray, t, bias: np.ndarray | None) -> nn.Module:
     """A QuantLinear over the tensor's blocks, or a plain fp32 Linear for an F32/F16 tensor."""
-    b = None if bias is None else torch.from_numpy(bias)
+    b = None if bias is None else torch.from_numpy(bias)   # host: packed weights are CPU-only
     if t.tensor_type.name in _PLAIN:
-        w = torch.from_numpy(data.astype(np.float32))
+        w = torch.from_numpy(data.astype(np.float32))   # host: packed weights are CPU-only
         layer = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
         with torch.no_grad():
             layer.weight.copy_(w)
             if b is not None:
                 layer.bias.copy_(b)
         return layer.requires_grad_(False)
-    return QuantLinear(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]), b)
+    return QuantLinear(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]), b)   # host: packed weights are CPU-only
 
 
 def _set_linear(layer: nn.Module, path: str, data: np.ndarray, t, bias: np.ndarray | None) -> None:
@@ -138,8 +139,8 @@ def _set_linear(layer: nn.Module, path: str, data: np.ndarray, t, bias: np.ndarr
 
 def _embedding(data: np.ndarray, t) -> nn.Module:
     if t.tensor_type.name in _PLAIN:
-        return nn.Embedding.from_pretrained(torch.from_numpy(data.astype(np.float32)), freeze=True)
-    return QuantEmbedding(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]))
+        return nn.Embedding.from_pretrained(torch.from_numpy(data.astype(np.float32)), freeze=True)   # host: packed weights are CPU-only
+    return QuantEmbedding(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]))   # host: packed weights are CPU-only
 
 
 def supported_types() -> str:

@@ -115,6 +115,7 @@ class FailingSampler:
 
     def __init__(self, real) -> None:
         self.real, self.generator, self.calls = real, real.generator, 0
+        self.grammar_mask = real.grammar_mask          # the step reads its mask time
 
     def __call__(self, logits, seqs):
         self.calls += 1

@@ -175,10 +175,10 @@ class Tok:
     def __init__(self, strip_replies: bool) -> None:
         self.strip_replies = strip_replies
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict=False):
         text = "".join(f"<{m['role']}>" + (m["content"].strip() if self.strip_replies else m["content"])
-                       + "|" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+                       + "|" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return [ord(c) for c in text] if tokenize else text
 
     def decode(self, ids, **kw):
         return "".join(map(chr, ids))
@@ -200,7 +200,7 @@ class ChatEngine:
         return Engine.chat_prompt(self, messages, previous)
 
     def apply_chat_template(self, messages):
-        return [ord(c) for c in self.tokenizer.apply_chat_template(messages, True, False)]
+        return self.tokenizer.apply_chat_template(messages, True, True)
 
 
 def turn(chat: ChatSession, engine: ChatEngine, message: str, reply_ids: list[int]) -> list[int]:
