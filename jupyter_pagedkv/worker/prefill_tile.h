@@ -25,6 +25,9 @@
 #endif
 
 namespace pkv_prefill {
+// Internal linkage, as when the kernel was one file: the compiler inlines as it did then (the
+// object code of prefill_attention.cpp is the same, only symbol names differ).
+namespace {
 
 struct Args {
   const void* q;        // [n, heads, d]: strides q_row, q_head, 1
@@ -321,4 +324,5 @@ struct Tile {
 };
 #endif  // PKV_X86
 
+}  // namespace
 }  // namespace pkv_prefill
