@@ -9,7 +9,6 @@ import logging
 import shlex
 import subprocess
 import sys
-from typing import Sequence
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
@@ -18,14 +17,12 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..config import EngineConfig, changed_flags, format_bytes, from_arguments
 from ..protocol import EngineUnavailable
 from .session import NO_ENGINE, KernelSession, current
-from .markdown import MarkdownRenderer, markdown_bundle
 from .options import (SESSION_NAME, generate_params, interpolate, kept_output, load_arguments, parse_connect,
                       parse_line, sampling_arguments, sampling_params, split_prompts)
 from .tenants import set_tenant_line, tenants_table
 from .text_views import block_map, requests_table
-from .logprob_view import LogprobsView
-from .streaming import (BackgroundJob, CellRun, DisplayRenderer, DonePrinter, Panel, PrintRenderer,
-                        Renderer, WidgetRenderer)
+from .cell_runner import CellRunner, show_logprobs
+from .streaming import CellRun
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +62,10 @@ class PagedKVMagics(Magics):
     @property
     def session(self) -> KernelSession:
         return current()
+
+    @property
+    def _cells(self) -> CellRunner:
+        return CellRunner(self.shell, self.session)
 
     # -- %pagedkv -------------------------------------------------------------------------------
     @magic_arguments()
@@ -275,10 +276,10 @@ class PagedKVMagics(Magics):
         labels = [f"[{i + 1}] {_short(t)}" for i, t in enumerate(texts)]
         run = CellRun(engine, labels, args.tenant)
         if args.background:
-            self._start_background(run, prompts, params, args.out, args.no_stream, args.format)
+            self._cells.start_background(run, prompts, params, args.out, args.no_stream, args.format)
             return
-        outputs = self._run_cell(run, prompts, params, "generate", args.no_stream, args.format)
-        self._show_logprobs(args, outputs)
+        outputs = self._cells.run(run, prompts, params, "generate", args.no_stream, args.format)
+        show_logprobs(args, outputs)
         if args.out:
             self.shell.user_ns[args.out] = kept_output(outputs, params)
 
@@ -324,120 +325,11 @@ class PagedKVMagics(Magics):
         message = interpolate(message, self.shell.user_ns)
         prompt = chat.prompt_ids(engine, message)
         run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"], chat.tenant)
-        outputs = self._run_cell(run, [prompt], params, f"chat {name}", args.no_stream, args.format)
-        self._show_logprobs(args, outputs)
+        outputs = self._cells.run(run, [prompt], params, f"chat {name}", args.no_stream, args.format)
+        show_logprobs(args, outputs)
         chat.record(message, outputs[0])
         if args.out:
             self.shell.user_ns[args.out] = kept_output(outputs, params)
-
-    # -- shared -----------------------------------------------------------------------------------
-    def _in_kernel(self) -> bool:
-        return getattr(self.shell, "kernel", None) is not None
-
-    def _markdown(self, fmt: str | None) -> bool:
-        """Markdown where a front end renders it: a kernel, unless --format text. A terminal
-        IPython cannot render Markdown, so there it is always text."""
-        return self._in_kernel() and fmt != "text"
-
-    def _renderer(self, fmt: str | None) -> Renderer:
-        if self._markdown(fmt):
-            return MarkdownRenderer()
-        return DisplayRenderer() if self._in_kernel() else PrintRenderer()
-
-    def _submit(self, run: CellRun, prompts: Sequence, params, origin: str) -> None:
-        engine = run.engine
-        if not engine.is_running:
-            engine.start()
-        try:
-            run.submit(prompts, params)
-        except ValueError as err:   # a prompt too long for the model or the pool
-            raise UsageError(str(err)) from None
-        for rid in run.request_ids:
-            self.session.origins[rid] = origin
-
-    def _run_cell(self, run: CellRun, prompts: Sequence, params, origin: str, no_stream: bool,
-                  fmt: str | None = None):
-        """Stream the cell's requests to its output; Ctrl-C aborts them and frees their blocks."""
-        renderer = self._renderer(fmt)
-        if no_stream:
-            renderer = FinalOnly(renderer)
-        try:
-            self._submit(run, prompts, params, origin)
-            outputs = run.wait(renderer)
-        except KeyboardInterrupt:
-            n = run.abort(renderer)
-            print(f"interrupted: aborted {n} request{'s' if n != 1 else ''} of this cell and freed "
-                  f"{'their' if n != 1 else 'its'} blocks; the engine keeps serving", file=sys.stderr)
-            raise
-        self._raise_engine_error(run)
-        return outputs
-
-    @staticmethod
-    def _show_logprobs(args, outputs) -> None:
-        """--logprobs / --prompt-logprobs: the answers shaded by probability, below the text."""
-        if args.logprobs is not None or args.prompt_logprobs is not None:
-            from IPython.display import display
-            display(LogprobsView(outputs))
-
-    def _raise_engine_error(self, run: CellRun) -> None:
-        """An abort we did not ask for is an engine failure: show it, it is not the user's mistake."""
-        for panel in run.panels:
-            if panel.error is not None:
-                if isinstance(panel.error, EngineUnavailable):   # network/server trouble: one line
-                    raise UsageError(str(panel.error))
-                raise panel.error
-
-    def _start_background(self, run: CellRun, prompts: Sequence, params, out_var: str | None,
-                          no_stream: bool, fmt: str | None = None) -> None:
-        self._submit(run, prompts, params, "background")
-        title = "background " + ", ".join(run.request_ids)
-        ns = self.shell.user_ns
-
-        def on_done(outputs):
-            if out_var:
-                try:
-                    ns[out_var] = kept_output(outputs, params)
-                except UsageError as err:   # no cell to raise in: keep the outputs, say why
-                    ns[out_var] = outputs[0] if len(outputs) == 1 else outputs
-                    logger.warning("%s: %s; %s holds the RequestOutput instead", title, err, out_var)
-
-        job = BackgroundJob(run, title, on_done)
-        renderer: Renderer
-        in_kernel = getattr(self.shell, "kernel", None) is not None
-        widget = self._output_widget() if in_kernel else None
-        if widget is not None:
-            from IPython.display import display
-            display(widget)
-            renderer = WidgetRenderer(widget, markdown_bundle if self._markdown(fmt) else None)
-            renderer.update(run.panels, final=False)
-        elif in_kernel:   # no ipywidgets: a display handle made here, updated by the watcher
-            renderer = DisplayRenderer()
-            renderer.update(run.panels, final=False)
-        else:
-            renderer = DonePrinter(title)
-            print(f"{title}: running; the result prints here when done"
-                  + (f" and is stored in {out_var}" if out_var else ""))
-        self.session.jobs.append(job)
-        job.start(FinalOnly(renderer) if no_stream else renderer)
-
-    @staticmethod
-    def _output_widget():
-        try:
-            import ipywidgets
-        except ImportError:
-            return None
-        return ipywidgets.Output()
-
-
-class FinalOnly:
-    """--no-stream: pass only the complete result to the wrapped renderer."""
-
-    def __init__(self, inner: Renderer) -> None:
-        self.inner = inner
-
-    def update(self, panels: Sequence[Panel], final: bool) -> None:
-        if final:
-            self.inner.update(panels, final=True)
 
 
 def _short(text: str, width: int = 40) -> str:

@@ -22,58 +22,23 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 from urllib.parse import urlsplit
 
+from ..core.sampling_params import SamplingParams
 from ..core.stats import Throughput
 from ..engine.frontend import GenerationFront, check_messages
 from ..engine.intake import check_params, check_tenant
+from ..engine.outputs import RequestMetrics, RequestOutput, StreamDelta
 from . import api_key as api_key_source, wire
 from .cache_salt import check_salt_support, salt_refused
 from .errors import RemoteError
 from .inspection import RemoteInspection
-from ..engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, StreamDelta
-from ..core.sampling_params import SamplingParams
-from .logprob_fields import logprob_fields
-from .request_fields import openai_fields, vllm_fields
+from .remote_request import RemoteRequest, fold_chunk, request_output
+from .request_fields import ChatPrompt, request_body
 
 
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A conversation for the server to template (its own chat template, not a local tokenizer)."""
-
-    messages: tuple[dict, ...]
-
-
-@dataclass(eq=False)
-class RemoteRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    listeners: list[queue.SimpleQueue] = field(default_factory=list)
-    num_output_tokens: int = 0           # of the first sample, as streamed
-    num_cached_tokens: int | None = None  # prompt tokens the server found cached (from `usage`)
-    texts: dict[int, str] = field(default_factory=dict)
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    finish: dict[int, str] = field(default_factory=dict)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    aborted: bool = False
-    conn: http.client.HTTPConnection | None = None
-    sock: socket.socket | None = None    # kept: http.client drops conn.sock once a response owns it
-    thread: threading.Thread | None = None
-    tenant: str | None = None            # sent as the body's cache_salt
-    logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)   # by choice index
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.done.is_set()
 
 
 def _base_url(url: str) -> tuple[str, str, int, str]:
@@ -220,7 +185,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         params = check_params(params)
         if not isinstance(params, SamplingParams) or params.n > wire.MAX_CHOICES:
             raise ValueError(f"a server request takes SamplingParams with n <= {wire.MAX_CHOICES}")
-        body = self._body(prompt, params)
+        body = request_body(prompt, params, self.model, self.version is not None)
         if tenant is not None:
             body["cache_salt"] = tenant
         text = prompt if isinstance(prompt, str) else None
@@ -239,36 +204,6 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         req.thread.start()
         return rid
 
-    def _body(self, prompt, params: SamplingParams) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": params.max_tokens,
-                                "temperature": params.temperature, "top_p": params.top_p,
-                                "n": params.n, "stream": True,
-                                "stream_options": {"include_usage": True}}
-        if params.max_tokens is None:
-            del body["max_tokens"]      # the server's default: up to the model's context
-        if isinstance(prompt, ChatPrompt):
-            body["messages"] = list(prompt.messages)
-        elif isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("empty prompt: give some text or token ids")
-            body["prompt"] = prompt
-        else:
-            ids = list(prompt)
-            if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise ValueError("prompt token ids must be a non-empty list of non-negative integers")
-            body["prompt"] = ids
-        if params.seed is not None:
-            body["seed"] = params.seed
-        if params.stop:
-            body["stop"] = list(params.stop)
-        body.update(openai_fields(params))
-        extensions = vllm_fields(params) | logprob_fields(params, isinstance(prompt, ChatPrompt))
-        if self.version is not None:
-            body["return_token_ids"] = True
-            body.update(extensions)
-        elif extensions:
-            raise ValueError(f"{', '.join(extensions)} need a vLLM server")
-        return body
 
     def _run(self, req: RemoteRequest, body: dict, chat: bool) -> None:
         path = self.prefix + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -315,40 +250,13 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             chunk = wire.parse_chunk(data, req.params.n, chat, self.url)
             if chunk.error is not None:
                 raise RemoteError(f"{self.url} failed the request: {chunk.error}")
-            self._fold_chunk(req, chunk)
+            fold_chunk(req, chunk)
         if not stream.done and not req.aborted:
             missing = [i for i in range(req.params.n) if i not in req.finish]
             if missing:
                 raise RemoteError(f"the stream from {self.url} dropped before the end (no finish "
                                   f"reason after {req.num_output_tokens} tokens); the "
                                   f"output so far is kept, run the cell again for the rest")
-
-    def _fold_chunk(self, req: RemoteRequest, chunk: wire.Chunk) -> None:
-        now = time.perf_counter()
-        if chunk.prompt_token_ids and not req.prompt_token_ids:
-            req.prompt_token_ids = list(chunk.prompt_token_ids)
-        new_text, new_tokens = "", []
-        for c in chunk.choices:
-            req.texts[c.index] = req.texts.get(c.index, "") + c.text
-            req.tokens.setdefault(c.index, []).extend(c.token_ids)
-            req.logprobs.setdefault(c.index, []).extend(c.logprobs)
-            if c.finish_reason:
-                req.finish[c.index] = c.finish_reason
-            if c.index == 0:
-                new_text += c.text
-                new_tokens += c.token_ids
-        if chunk.completion_tokens is not None:
-            req.metrics.num_generated_tokens = chunk.completion_tokens
-        if chunk.cached_tokens is not None:
-            req.num_cached_tokens = chunk.cached_tokens
-        req.prompt_logprobs = chunk.prompt_logprobs or req.prompt_logprobs
-        if (new_text or new_tokens) and req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.num_output_tokens = len(req.tokens.get(0, [])) or req.num_output_tokens
-        if new_text or new_tokens:
-            delta = StreamDelta(req.request_id, new_text, new_tokens, False)
-            for q in req.listeners:
-                q.put(delta)
 
     def _finish(self, req: RemoteRequest) -> None:
         with self._lock:
@@ -366,23 +274,13 @@ class RemoteEngine(RemoteInspection, GenerationFront):
             self._requests.pop(req.request_id, None)
             self.finished_requests.append(req)
             req.done.set()
-        out = self._output(req)
+        out = request_output(req)
         error = None if req.aborted else req.error
         for q in req.listeners:
             q.put(StreamDelta(req.request_id, "", [], True, out.finish_reason, out, error))
         if req.conn is not None:
             req.conn.close()
 
-    def _output(self, req: RemoteRequest) -> RequestOutput:
-        n = max([req.params.n] + [i + 1 for i in req.texts])
-        wants = req.params.logprobs is not None
-        outs = [CompletionOutput(i, req.texts.get(i, ""), req.tokens.get(i, []), req.finish.get(i),
-                                 logprobs=req.logprobs.get(i, []) if wants else None,
-                                 cumulative_logprob=sum(p[t].logprob for p, t in zip(
-                                     req.logprobs.get(i, []), req.tokens.get(i, [])) if t in p) if wants else None)
-                for i in range(n)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.num_cached_tokens or 0, req.metrics, req.tenant, req.prompt_logprobs)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request: shut its connection (vLLM aborts on disconnect); False if not live."""
@@ -419,7 +317,7 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         return req or next(r for r in reversed(self.finished_requests) if r.request_id == rid)
 
     def _result(self, req: RemoteRequest) -> RequestOutput:
-        return self._output(req)
+        return request_output(req)
 
     def chat_prompt(self, messages: list[dict], previous: list[int] | None = None) -> tuple[ChatPrompt, bool]:
         """The conversation itself (the server templates it and finds the cached prefix)."""

@@ -15,7 +15,7 @@ from .server_metrics import (FINISHED, GENERATED, KV_USAGE, PREEMPTIONS, PREFIX_
                              RUNNING, WAITING, RemoteStats, ServerMetrics, parse_prometheus)
 
 if TYPE_CHECKING:
-    from .client import RemoteRequest
+    from .remote_request import RemoteRequest
 
 
 class RemoteInspection:

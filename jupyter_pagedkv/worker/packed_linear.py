@@ -11,7 +11,7 @@ replaced. The packed path runs while `packed_gemms()` is active in the calling t
 ModelRunner's forward); anywhere else, e.g. a plain `model.generate` in a notebook cell, the
 layer computes exactly what stock transformers does. A weight changed in place or reassigned
 is re-packed on its next use, so a packed copy is never stale. Layers found reading one and the
-same input (q/k/v, gate/up) share one GEMM on their stacked weights (`_Group`).
+same input (q/k/v, gate/up) share one GEMM on their stacked weights (`PackedGroup`, packed_weights.py).
 
 fp32 always; bf16 where oneDNN computes it (AVX-512 and AMX machines: 1.5x faster decode steps
 than stock bf16 GEMMs on an AMX Xeon). With `hold=True` (a model the engine loaded itself) each
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import held_weights
+from .packed_weights import PackedGroup, PackedWeight, WeightStamp, changed_held_weight
 from .quant_linear import QuantStack
 
 _ACTIVE = threading.local()
@@ -83,125 +84,6 @@ def packed_gemms(handle: PackedLinears | None = None) -> Iterator[None]:
             _ACTIVE.recorder = None
 
 
-@dataclass(slots=True)
-class _Stamp:
-    """What identifies the weight a packed copy was made from: the object, its in-place version
-    counter and its storage (`.data` swapped by `module.to()` keeps the first two)."""
-
-    source: torch.Tensor
-    version: int
-    data_ptr: int
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> _Stamp:
-        return cls(weight, weight._version, weight.data_ptr())
-
-    def matches(self, weight: torch.Tensor) -> bool:
-        return (self.source is weight and self.version == weight._version
-                and self.data_ptr == weight.data_ptr())
-
-
-@dataclass(slots=True)
-class _Packed:
-    """A packed copy of one layer's weight and the stamp of the weight it copies."""
-
-    stamp: _Stamp
-    weight: torch.Tensor
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> _Packed:
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        return cls(_Stamp.of(weight), packed)
-
-    def copies(self, weight: torch.Tensor) -> bool:
-        return self.stamp.matches(weight)
-
-
-class _Group:
-    """Sibling layers that read the same input tensor (q/k/v, gate/up): one GEMM on their
-    concatenated weights serves all of them. Learned from the first engine forward, checked on
-    every call: a member gets the shared result only for the very tensor object the first member
-    was called with (and unmodified, where torch tracks versions: see `_version`); any other
-    input it computes on its own, so a wrong grouping costs time, never results."""
-
-    __slots__ = ("members", "stamps", "weight", "bias", "splits", "x", "x_version", "outs")
-
-    def __init__(self, members: list[nn.Linear]) -> None:
-        self.members = members
-        self.splits = [m.out_features for m in members]
-        self.stamps: list[_Stamp] = []
-        self.weight: torch.Tensor | None = None          # packed, all members' rows stacked
-        self.bias: torch.Tensor | None = None
-        self.x: torch.Tensor | None = None
-        self.x_version = -1
-        self.outs: list[torch.Tensor | None] = []
-
-    def _fresh(self) -> bool:
-        return self.weight is not None and all(
-            stamp.matches(m.weight) for m, stamp in zip(self.members, self.stamps))
-
-    @property
-    def held(self) -> bool:
-        return bool(self.members[0].__dict__.get("_pagedkv_held"))
-
-    def _repack(self, scratch: torch.Tensor | None = None) -> None:
-        """Stack the members' weights (into `scratch` when given: reusing one buffer for every
-        group spares the page faults of fresh memory, most of the cost of packing) and pack."""
-        with torch.no_grad():
-            rows = sum(self.splits)
-            out = None if scratch is None else scratch[:rows * self.members[0].in_features].view(rows, -1)
-            weight = torch.cat([m.weight.detach() for m in self.members], out=out)
-            biases = [m.bias for m in self.members]
-            self.bias = None if all(b is None for b in biases) else torch.cat(
-                [b.detach() if b is not None else weight.new_zeros(m.out_features)
-                 for m, b in zip(self.members, biases)])
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.stamps = [_Stamp.of(m.weight) for m in self.members]
-
-    def gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """All members' outputs side by side, `[..., sum of out_features]`, from one GEMM."""
-        if not self._fresh():
-            if self.held:
-                raise _changed_held_weight(self.members[0])
-            self._repack()
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-    def _gemm(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(self.gemm(x).split(self.splits, dim=-1))
-
-    def lead(self, x: torch.Tensor) -> torch.Tensor:
-        """The first member's call: one GEMM for all, the others' columns kept for them."""
-        parts = self._gemm(x)
-        self.x, self.x_version, self.outs = x, _version(x), parts
-        return parts[0]
-
-    def take(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
-        """A later member's call: its columns if `x` is the leader's input, untouched since."""
-        if self.x is not x or self.x_version != _version(x) or self.outs[index] is None:
-            return None
-        out, self.outs[index] = self.outs[index], None
-        if all(o is None for o in self.outs[1:]):
-            self.x, self.outs = None, []          # drop the reference to the input at once
-        return out
-
-    def alone(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """A held member called with its own input: only the stacked packed weight holds its
-        values, so the whole group's GEMM runs and this member's columns are kept."""
-        return self._gemm(x)[index].contiguous()
-
-    def plain(self) -> list[torch.Tensor]:
-        """Every member's exact plain weight, rebuilt from the stacked packed one."""
-        return list(held_weights.unpack(self.weight, self.members[0].in_features).split(self.splits))
-
-
-def _version(x: torch.Tensor) -> int:
-    """In-place version of `x`; tensors made under inference mode keep none (-1). Engine inputs are
-    such tensors, so there the identity of the input object is the check: a model would have to
-    modify its hidden state in place between two sibling projections to defeat it."""
-    return -1 if x.is_inference() else x._version
-
-
 def _runs_packed(layer: nn.Linear, x: torch.Tensor) -> bool:
     """Whether this call computes through the packed weight: always for a held layer (refusing
     what it cannot do), else only inside `packed_gemms` on a CPU input of the weight's dtype."""
@@ -234,8 +116,8 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = self._pagedkv_packed
     if packed is None or not packed.copies(weight):
         if held:
-            raise _changed_held_weight(self)
-        packed = self._pagedkv_packed = _Packed.of(weight)
+            raise changed_held_weight(self)
+        packed = self._pagedkv_packed = PackedWeight.of(weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed.weight, self.bias, "none", [], "")
 
 
@@ -249,24 +131,19 @@ def _check_held_call(layer: nn.Linear, x: torch.Tensor) -> None:
                            f"the CPU; it got a {x.dtype} input on {x.device}")
 
 
-def _changed_held_weight(layer: nn.Linear) -> RuntimeError:
-    return RuntimeError("a weight of a model whose engine holds its weights packed was replaced: build "
-                        "the engine with keep_plain_weights=True to change weights while it runs")
-
-
 @dataclass
 class PackedLinears:
     """The layers of one model that run packed; `release()` restores them and frees the copies.
 
     The first forward run under `packed_gemms(handle)` (stock GEMMs) records which layers read the
-    same input tensor; then each such set is packed once as one `_Group` and every other layer on
+    same input tensor; then each such set is packed once as one `PackedGroup` and every other layer on
     its own, so each weight is packed exactly once. A layer used before that packs itself lazily.
     With `hold_weights`, each plain weight is dropped as soon as its packed copy exists, so the
     model's memory never holds much more than one copy (held_weights.py). Engines sharing one
     model share its packed layers; the last one to release them restores them."""
 
     layers: list[nn.Linear] = field(default_factory=list)
-    groups: list[_Group] = field(default_factory=list)
+    groups: list[PackedGroup] = field(default_factory=list)
     learned: bool = False
     hold_weights: bool = False
     model: weakref.ref | None = None      # with hold_weights: whose other tensors leave the file map
@@ -307,18 +184,15 @@ class PackedLinears:
         if group is not None:
             if index != 0 or len(group.members) != len(linears) or any(a is not b for a, b in zip(group.members, linears)):
                 return None
-            if not group._fresh():
-                if group.held:
-                    raise _changed_held_weight(first)
-                group._repack()
+            group.refresh()
             return group.weight, group.bias
         if len(linears) != 1 or "_pagedkv_packed" not in first.__dict__:
             return None
         packed = first._pagedkv_packed
         if packed is None or not packed.copies(first.weight):
             if first.__dict__.get("_pagedkv_held"):
-                raise _changed_held_weight(first)
-            packed = first._pagedkv_packed = _Packed.of(first.weight)
+                raise changed_held_weight(first)
+            packed = first._pagedkv_packed = PackedWeight.of(first.weight)
         return packed.weight, first.bias
 
     def learn(self, calls: list[tuple[nn.Linear, torch.Tensor]]) -> None:
@@ -335,8 +209,8 @@ class PackedLinears:
         size = max((sum(m.weight.numel() for m in members) for members in sets), default=0)
         scratch = torch.empty(size, dtype=sets[0][0].weight.dtype) if sets else None  # host: CPU-only packing
         for members in sets:
-            group = _Group(members)
-            group._repack(scratch)
+            group = PackedGroup(members)
+            group.repack(scratch)
             for i, m in enumerate(members):
                 m._pagedkv_group = (group, i)
                 m._pagedkv_packed = None          # re-created only if it must compute alone
@@ -344,13 +218,13 @@ class PackedLinears:
             if self.hold_weights and all(m.__dict__.get("_pagedkv_holdable") for m in members):
                 for i, m in enumerate(members):
                     held_weights.hold(m, lambda g=group, i=i: g.plain()[i])
-                group.stamps = [_Stamp.of(m.weight) for m in members]
+                group.stamps = [WeightStamp.of(m.weight) for m in members]
         for m in self.layers:
             if "_pagedkv_group" not in m.__dict__ and m._pagedkv_packed is None:
-                packed = m._pagedkv_packed = _Packed.of(m.weight)
+                packed = m._pagedkv_packed = PackedWeight.of(m.weight)
                 if self.hold_weights and m.__dict__.get("_pagedkv_holdable"):
                     held_weights.hold(m, lambda p=packed, k=m.in_features: held_weights.unpack(p.weight, k))
-                    packed.stamp = _Stamp.of(m.weight)
+                    packed.stamp = WeightStamp.of(m.weight)
         if self.hold_weights:
             model = self.model() if self.model is not None else None
             if model is not None:
