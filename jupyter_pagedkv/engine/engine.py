@@ -233,11 +233,7 @@ class Engine(GenerationFront):
         its live requests needs is refused, since that request could never finish."""
         check_spec(name, weight, max_blocks)
         with self._lock:
-            if max_blocks is not None:
-                for req in self._requests.values():
-                    if req.tenant == name and not req.finished:
-                        intake.check_cap(name, max_blocks, req.prompt_token_ids, req.params, req.beam,
-                                         self.max_model_len, self.block_size, req.request_id)
+            intake.check_live_caps(name, max_blocks, self._requests.values(), self.max_model_len, self.block_size)
             self._scheduler.set_tenant(name, weight, max_blocks)
             self._work.notify_all()   # a raised cap may let waiting work in
 
@@ -294,10 +290,8 @@ class Engine(GenerationFront):
         return self._outputs.output(req)
 
     def warm_up(self) -> int:
-        """Compile every Triton kernel variant this engine can launch (CUDA), then capture every
-        decode bucket's CUDA graph (graphs on), each verified against the eager step, so that no
-        request pays for a compile or a capture; returns how many verified graphs the engine holds
-        (0 without graphs, or once a mismatch turned them off), however many calls captured them."""
+        """Compile every Triton variant this engine can launch (CUDA) and capture every decode
+        bucket's CUDA graph, verified against the eager step; returns the verified graphs held."""
         with self._lock:
             return self._runner.warm_up(self._warmed_kernels)
 

@@ -170,3 +170,14 @@ def check_cap(tenant: str | None, max_blocks: int | None, ids: list[int], params
         raise ValueError(f"tenant {tenant!r} may hold at most {max_blocks} blocks (max_blocks) but {which} "
                          f"needs {need} ({what}): lower max_tokens, or raise the cap with "
                          f"engine.set_tenant({tenant!r}, max_blocks={need})")
+
+
+def check_live_caps(name: str, max_blocks: int | None, requests, max_model_len: int, block_size: int) -> None:
+    """A new cap for tenant `name` must still hold each of its live requests whole (else it could
+    never finish): one line naming the first that would not fit."""
+    if max_blocks is None:
+        return
+    for req in requests:
+        if req.tenant == name and not req.finished:
+            check_cap(name, max_blocks, req.prompt_token_ids, req.params, req.beam, max_model_len,
+                      block_size, req.request_id)
