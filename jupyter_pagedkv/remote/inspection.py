@@ -162,6 +162,10 @@ class RemoteInspection:
         raise UnsupportedByServer(f"{self.url} reports its pool (KV events), not its block tables: read "
                                   "block tables on the kernel's engine (%pagedkv disconnect)")
 
+    def why(self, request_id: str | None = None):
+        raise UnsupportedByServer(f"{self.url} reports no per-request prefix-cache lookups (only its totals "
+                                  "and KV events), so why a prompt missed is not available from a server")
+
     def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
         raise UnsupportedByServer(f"{self.url} takes no tenant weights or caps (a server applies its own "
                                   "policy): use the kernel's engine (%pagedkv disconnect)")
