@@ -14,8 +14,8 @@ request met, not the cache at the time someone asks:
 - "other model": a previous engine of this kernel cached them with another model or revision;
 - "differs": the first miss, against the nearest cached chain (the cached block under the same
   parent sharing the most leading tokens): the first prompt token that differs;
-- "unreachable" / "after miss": a block past the first miss, cached there or not (a hit must
-  continue an unbroken chain from the first block).
+- "after miss": a block past the first miss with none of the causes above (a hit must continue
+  an unbroken chain from the first block, so a block after a new one is new too).
 
 Cost: once per request, only for the blocks past the last hit; another salt's chain is hashed
 only when the pool holds blocks under another salt, and at most `MAX_CANDIDATES` siblings are
@@ -32,11 +32,11 @@ if TYPE_CHECKING:
     from .block_pool import BlockPool
     from .sequence import Sequence
 
-HIT, DIFFERS, AFTER_MISS, UNREACHABLE = "hit", "differs", "after miss", "unreachable"
+HIT, DIFFERS, AFTER_MISS = "hit", "differs", "after miss"
 EVICTED, OTHER_TENANT, OTHER_MODEL = "evicted", "other tenant", "other model"
 PARTIAL, LAST_TOKEN, CACHING_OFF, PROMPT_LOGPROBS = "partial", "last token", "caching off", "prompt logprobs"
 # Causes of a block some cache held: a turn with these recomputed work that existed.
-REUSABLE = frozenset({EVICTED, OTHER_TENANT, OTHER_MODEL, UNREACHABLE})
+REUSABLE = frozenset({EVICTED, OTHER_TENANT, OTHER_MODEL})
 MAX_CANDIDATES = 512    # siblings compared to find the nearest cached chain
 MAX_SALTS = 8           # other tenants' salts whose chains are hashed
 
@@ -93,7 +93,7 @@ class MissReport:
 
     @property
     def num_reusable(self) -> int:
-        """Blocks recomputed although some cache held them (evicted, other salt or model, unreachable)."""
+        """Blocks recomputed although some cache held them (evicted, another salt or model)."""
         return sum(s.num_blocks for s in self.spans if s.cause in REUSABLE)
 
     @property
@@ -135,8 +135,7 @@ def _phrase(s: BlockSpan, report: MissReport) -> str:
     if s.cause == PARTIAL:
         n = report.num_tokens - s.first * report.block_size
         return f"{b} partial ({n} of {report.block_size} tokens; only full blocks are cached)"
-    return {UNREACHABLE: f"{b} cached but unreachable past the first miss",
-            AFTER_MISS: f"{b} after the first miss",
+    return {AFTER_MISS: f"{b} after the first miss",
             LAST_TOKEN: f"{b} holds the last prompt token, always computed (hits stop one token short)",
             CACHING_OFF: f"{b} not looked up: prefix caching is off",
             PROMPT_LOGPROBS: f"{b} not looked up: prompt_logprobs needs every position's logits",
@@ -183,7 +182,7 @@ def _missed(pool: BlockPool, seq: Sequence, i: int, num_hits: int, foreign: Mapp
         return BlockSpan(i, i, OTHER_MODEL, model=foreign[h])
     if i == num_hits:
         return _nearest(pool, seq, i)
-    return BlockSpan(i, i, UNREACHABLE if h in pool.cached else AFTER_MISS)
+    return BlockSpan(i, i, AFTER_MISS)
 
 
 def _tokens(seq: Sequence, i: int, bs: int) -> list[int]:

@@ -369,7 +369,7 @@ class Engine(GenerationFront):
 
     def prefix_ledger(self, previous: PrefixLedger | None = None) -> PrefixLedger:
         """Model identity and cached chains; a `previous` engine's (other model or revision) feed `why`."""
-        return self._inspection.prefix_ledger(f"{self.name}@{self._config.revision or 'main'}", previous)
+        return self._inspection.prefix_ledger(self._config.revision, previous)
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         self._inspection.add_step_listener(listener)

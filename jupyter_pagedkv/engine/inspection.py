@@ -190,8 +190,9 @@ class EngineInspection:
         before, after = tokenizer.decode(prompt[max(0, t - 16):t]), tokenizer.decode(prompt[t:t + 16])
         return replace(report, snippet=f"...{before[-24:]}▸{after[:24]}...")
 
-    def prefix_ledger(self, identity: str, previous: PrefixLedger | None) -> PrefixLedger:
-        """Remember `previous`'s chains (another model or revision) for `why`; this engine's own."""
+    def prefix_ledger(self, revision: str | None, previous: PrefixLedger | None) -> PrefixLedger:
+        """Remember `previous`'s chains (another model, revision or dtype) for `why`; this engine's own."""
+        identity = f"{self.name}@{revision or 'main'} ({str(self.dtype).replace('torch.', '')})"
         with self._lock:
             if previous is not None and previous.identity != identity:
                 self.scheduler.kv.remember_foreign(previous.identity, list(previous.hashes))

@@ -166,6 +166,11 @@ class RemoteInspection:
         raise UnsupportedByServer(f"{self.url} reports no per-request prefix-cache lookups (only its totals "
                                   "and KV events), so why a prompt missed is not available from a server")
 
+    def prefix_ledger(self, previous=None):
+        """A server's prefix cache is its own: nothing to hand over, nothing to remember."""
+        from ..core.miss_report import PrefixLedger
+        return PrefixLedger(self.name, ())
+
     def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
         raise UnsupportedByServer(f"{self.url} takes no tenant weights or caps (a server applies its own "
                                   "policy): use the kernel's engine (%pagedkv disconnect)")
