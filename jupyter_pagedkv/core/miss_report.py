@@ -23,7 +23,7 @@ compared to find the nearest chain.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from .block_pool import hash_block
@@ -37,7 +37,7 @@ EVICTED, OTHER_TENANT, OTHER_MODEL = "evicted", "other tenant", "other model"
 PARTIAL, LAST_TOKEN, CACHING_OFF, PROMPT_LOGPROBS = "partial", "last token", "caching off", "prompt logprobs"
 # Causes of a block some cache held: a turn with these recomputed work that existed.
 REUSABLE = frozenset({EVICTED, OTHER_TENANT, OTHER_MODEL})
-MAX_CANDIDATES = 512    # siblings compared to find the nearest cached chain
+MAX_CANDIDATES = 64     # siblings compared to find the nearest cached chain
 MAX_SALTS = 8           # other tenants' salts whose chains are hashed
 
 
@@ -59,7 +59,7 @@ class BlockSpan:
     cause: str
     step: int | None = None       # evicted: at which engine step
     by: str | None = None         # evicted: for whose allocation (a request id)
-    block_id: int | None = None   # evicted: the block that held it; differs: the nearest cached block
+    block_id: int | None = None   # differs: the nearest cached block (None: nothing cached continues)
     tenant: str | None = None     # other tenant: whose salt holds it (None: requests naming nobody)
     model: str | None = None      # other model: the model identity that cached it
     token: int | None = None      # differs: the first prompt token that differs
@@ -102,7 +102,9 @@ class MissReport:
 
     def line(self) -> str:
         """One line for a chat footer: the reusable blocks recomputed and the first cause."""
-        first = next(s for s in self.spans if s.cause in REUSABLE)
+        first = next((s for s in self.spans if s.cause in REUSABLE), None)
+        if first is None:
+            return f"prefix cache: no block recomputed that a cache held; %pagedkv why {self.request_id}"
         return (f"prefix cache: {self.num_reusable} blocks recomputed that a cache held "
                 f"({_phrase(first, self)}); %pagedkv why {self.request_id}")
 
@@ -143,46 +145,49 @@ def _phrase(s: BlockSpan, report: MissReport) -> str:
 
 
 def explain(pool: BlockPool, seq: Sequence, num_hits: int, foreign: Mapping[int, str]) -> MissReport:
-    """The report for `seq` admitted with its first `num_hits` blocks hit (before it allocates)."""
+    """The report for `seq` admitted with its first `num_hits` blocks hit (before it allocates).
+    Each block gets a key (a BlockSpan's fields after `last`); runs of equal keys become spans."""
     bs, n = pool.block_size, seq.num_tokens
     lookable = (n - 1) // bs     # blocks that may hit: the last token is never one
-    per_block: list[BlockSpan] = []
     logprobs = getattr(seq.params, "prompt_logprobs", None) is not None and not seq.num_output_tokens
-    others = None
-    for i in range(-(-n // bs)):
-        if i < num_hits:
-            span = BlockSpan(i, i, HIT)
-        elif not pool.enable_prefix_caching:
-            span = BlockSpan(i, i, CACHING_OFF)
+    looked_up = pool.enable_prefix_caching and not logprobs
+    hashes = seq.hashes_upto(lookable) if looked_up else []
+    others = _other_salts(pool, seq, lookable) if looked_up and num_hits < lookable else []
+    runs: list[list] = [[0, num_hits - 1, (HIT,)]] if num_hits else []
+    for i in range(num_hits, -(-n // bs)):
+        if not pool.enable_prefix_caching:
+            key: tuple = (CACHING_OFF,)
         elif (i + 1) * bs > n:
-            span = BlockSpan(i, i, PARTIAL)
+            key = (PARTIAL,)
         elif i >= lookable:
-            span = BlockSpan(i, i, LAST_TOKEN)
+            key = (LAST_TOKEN,)
         elif logprobs:
-            span = BlockSpan(i, i, PROMPT_LOGPROBS)
+            key = (PROMPT_LOGPROBS,)
         else:
-            if others is None:
-                others = _other_salts(pool, seq, lookable)
-            span = _missed(pool, seq, i, num_hits, foreign, others)
-        per_block.append(span)
-    return MissReport(seq.request_id, n, bs, _merge(per_block))
+            key = _missed(pool, seq, hashes, i, num_hits, foreign, others)
+        if runs and runs[-1][2] == key and key[0] != DIFFERS:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, key])
+    return MissReport(seq.request_id, n, bs, tuple(BlockSpan(first, last, *key) for first, last, key in runs))
 
 
-def _missed(pool: BlockPool, seq: Sequence, i: int, num_hits: int, foreign: Mapping[int, str],
-            others: list[tuple[object, list[int]]]) -> BlockSpan:
-    h = seq.hashes_upto(i + 1)[i]
+def _missed(pool: BlockPool, seq: Sequence, hashes: list[int], i: int, num_hits: int,
+            foreign: Mapping[int, str], others: list[tuple[object, list[int]]]) -> tuple:
+    """The key of a looked-up block that missed: (cause, step, by, block_id, tenant, model, token)."""
+    h = hashes[i]
     if h not in pool.cached and h in pool.evictions:
         e = pool.evictions[h]
-        return BlockSpan(i, i, EVICTED, step=e.step, by=e.by, block_id=e.block_id)
+        return (EVICTED, e.step, e.by)
     for salt, chain in others:
         block = pool.cached.get(chain[i])
         if block is not None and block.extra_key == salt and block.token_ids == tuple(_tokens(seq, i, pool.block_size)):
-            return BlockSpan(i, i, OTHER_TENANT, tenant=salt[1] if isinstance(salt, tuple) else salt)
+            return (OTHER_TENANT, None, None, None, salt[1] if isinstance(salt, tuple) else salt)
     if h in foreign:
-        return BlockSpan(i, i, OTHER_MODEL, model=foreign[h])
+        return (OTHER_MODEL, None, None, None, None, foreign[h])
     if i == num_hits:
-        return _nearest(pool, seq, i)
-    return BlockSpan(i, i, AFTER_MISS)
+        return _nearest(pool, seq, hashes[i - 1] if i else None, i)
+    return (AFTER_MISS,)
 
 
 def _tokens(seq: Sequence, i: int, bs: int) -> list[int]:
@@ -201,10 +206,9 @@ def _other_salts(pool: BlockPool, seq: Sequence, num_blocks: int) -> list[tuple[
     return chains
 
 
-def _nearest(pool: BlockPool, seq: Sequence, i: int) -> BlockSpan:
+def _nearest(pool: BlockPool, seq: Sequence, parent: int | None, i: int) -> tuple:
     """The first miss against the cached blocks under the same parent: where the text departs."""
     bs = pool.block_size
-    parent = seq.hashes_upto(i)[i - 1] if i else None
     tokens = _tokens(seq, i, bs)
     best, best_len = None, -1
     for k, h in enumerate(pool.children.get(parent, ())):
@@ -213,22 +217,11 @@ def _nearest(pool: BlockPool, seq: Sequence, i: int) -> BlockSpan:
         block = pool.cached[h]
         if block.extra_key != seq.extra_key:
             continue
-        same = next((j for j, (a, b) in enumerate(zip(block.token_ids, tokens)) if a != b), bs)
+        theirs, same = block.token_ids, 0
+        while same < bs and theirs[same] == tokens[same]:
+            same += 1
         if same > best_len:
             best, best_len = block, same
     if best is None:
-        return BlockSpan(i, i, DIFFERS, token=i * bs)
-    return BlockSpan(i, i, DIFFERS, block_id=best.block_id, token=i * bs + best_len)
-
-
-def _merge(spans: list[BlockSpan]) -> tuple[BlockSpan, ...]:
-    """Neighbouring blocks with one cause and the same details become one span."""
-    out: list[BlockSpan] = []
-    for s in spans:
-        if out and s.cause not in (DIFFERS, EVICTED) and replace(out[-1], first=s.first, last=s.last) == s:
-            out[-1] = replace(out[-1], last=s.last)
-        elif out and s.cause == EVICTED and out[-1].cause == EVICTED and (out[-1].step, out[-1].by) == (s.step, s.by):
-            out[-1] = replace(out[-1], last=s.last, block_id=None)
-        else:
-            out.append(s)
-    return tuple(out)
+        return (DIFFERS, None, None, None, None, None, i * bs)
+    return (DIFFERS, None, None, best.block_id, None, None, i * bs + best_len)

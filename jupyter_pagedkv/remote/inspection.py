@@ -163,8 +163,9 @@ class RemoteInspection:
                                   "block tables on the kernel's engine (%pagedkv disconnect)")
 
     def why(self, request_id: str | None = None):
-        raise UnsupportedByServer(f"{self.url} reports no per-request prefix-cache lookups (only its totals "
-                                  "and KV events), so why a prompt missed is not available from a server")
+        raise UnsupportedByServer(f"{self.url} reports no per-request prefix-cache lookups, so why a prompt "
+                                  "missed is not available from a server: ask the kernel's engine "
+                                  "(%pagedkv disconnect)")
 
     def prefix_ledger(self, previous=None):
         """A server's prefix cache is its own: nothing to hand over, nothing to remember."""

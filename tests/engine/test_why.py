@@ -149,3 +149,20 @@ def test_the_monitor_feed_sends_each_requests_report_once(make_engine):
     assert feed.publish().why == {}                             # sent once, not with every diff
     engine.abort(rid)
     feed.close()
+
+
+def test_loading_another_model_in_the_session_hands_the_old_chains_over(make_engine, monkeypatch):
+    """`%pagedkv load` (KernelSession.load) gives the new engine the old one's prefix ledger."""
+    from jupyter_pagedkv.engine.engine import Engine
+    from jupyter_pagedkv.notebook import session as session_mod
+
+    old = make_engine(MODEL, TOK, block_size=4, num_blocks=64, name="tiny-a")
+    run(old, PROMPT)
+    new = make_engine(tiny_model("llama", seed=7), TOK, block_size=4, num_blocks=64, name="tiny-b")
+    monkeypatch.setattr(session_mod, "preflight", lambda *args, **kwargs: None)
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, model, **kwargs: new))
+    kernel = session_mod.KernelSession(engine=old)
+    kernel.load("tiny-b", progress=False)
+    assert kernel.engine is new and old.model is None          # the old engine was unloaded first
+    _, report = run(new, PROMPT)
+    assert spans(report) == [(0, 8, OTHER_MODEL), (9, 9, PARTIAL)]
