@@ -166,3 +166,19 @@ def test_loading_another_model_in_the_session_hands_the_old_chains_over(make_eng
     assert kernel.engine is new and old.model is None          # the old engine was unloaded first
     _, report = run(new, PROMPT)
     assert spans(report) == [(0, 8, OTHER_MODEL), (9, 9, PARTIAL)]
+
+
+def test_the_eviction_log_is_bounded_and_forgets_the_oldest(monkeypatch):
+    from jupyter_pagedkv.core import block_pool
+    from jupyter_pagedkv.core.block_pool import BlockPool, hash_block
+
+    monkeypatch.setattr(block_pool, "EVICTION_LOG_SIZE", 3)
+    pool = BlockPool(1, 4)
+    for i in range(5):                                  # one block, cached then evicted five times
+        block = pool.allocate(None)
+        pool.cache_block(block, hash_block(None, [i] * 4), None, [i] * 4)
+        pool.free(block)
+    pool.step, pool.claimant = 7, "req-9"
+    pool.free(pool.allocate(None))
+    assert list(pool.evictions) == [hash_block(None, [i] * 4) for i in (2, 3, 4)]
+    assert pool.evictions[hash_block(None, [4] * 4)] == block_pool.Eviction(7, "req-9", 0)
