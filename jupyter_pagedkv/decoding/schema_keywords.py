@@ -67,9 +67,12 @@ def _walk(node: Any, where: str) -> None:
 
 def _unenforced_form(node: dict, key: str, value: Any) -> str:
     """The form of a keyword xgrammar enforces only in some forms ("" where it does):
-    `multipleOf` on integers only, `allOf` with one subschema only."""
+    `multipleOf` on integers only, `allOf` with one subschema only, a string's length bounds only
+    without a `pattern` (beside one, xgrammar drops them)."""
     if key == "multipleOf" and node.get("type") != "integer":
         return f" on type {node.get('type', 'any')!r}"
+    if key in ("minLength", "maxLength") and "pattern" in node:
+        return " beside 'pattern' (put the length in the pattern)"
     if key == "allOf" and isinstance(value, list) and len(value) > 1:
         return f" with {len(value)} subschemas"
     return ""

@@ -32,6 +32,7 @@ VIOLATIONS = {
     "if": ({"type": "string", "if": {"const": "x"}, "then": {"minLength": 3}}, '"x"'),
     "multipleOf on a number": ({"type": "number", "multipleOf": 0.5}, "0.3"),
     "allOf of two": ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "1"),
+    "maxLength beside a pattern": ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaaa"'),
 }
 
 
@@ -72,7 +73,8 @@ def test_what_xgrammar_enforces_passes_and_is_enforced():
         age: int = Field(ge=0, le=30, multiple_of=2, description="years")
 
     class Owner(BaseModel):
-        name: str = Field(min_length=1, max_length=8, pattern="^[A-Z][a-z]*$", title="Name")
+        name: str = Field(pattern="^[A-Z][a-z]{0,7}$", title="Name")
+        city: str = Field(min_length=1, max_length=8)
         pets: list[Pet] = Field(max_length=2)
         home: tuple[str, int]
         nickname: str | None = None
@@ -81,9 +83,11 @@ def test_what_xgrammar_enforces_passes_and_is_enforced():
     schema = Owner.model_json_schema()
     check_schema_keywords(schema)
     check_schema_keywords(json.dumps(schema))
-    good = '{"name": "Ann", "pets": [{"kind": "cat", "age": 4}], "home": ["Oslo", 3], "nickname": null, "scores": {}}'
+    good = ('{"name": "Ann", "city": "Oslo", "pets": [{"kind": "cat", "age": 4}], "home": ["Oslo", 3], '
+            '"nickname": null, "scores": {}}')
     assert xgrammar_accepts(schema, good)
-    for bad in [good.replace('"age": 4', '"age": 5'), good.replace('"cat"', '"cow"'), good.replace("Ann", "ann")]:
+    for bad in [good.replace('"age": 4', '"age": 5'), good.replace('"cat"', '"cow"'), good.replace("Ann", "ann"),
+                good.replace('"Oslo", "pets"', '"Amsterdam", "pets"'), good.replace("Ann", "Annabella")]:
         assert not xgrammar_accepts(schema, bad), bad
 
 

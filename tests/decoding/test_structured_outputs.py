@@ -62,7 +62,9 @@ def trained_tokenizer(vocab: int = 1024):
 TOKENIZER = trained_tokenizer()
 VOCAB = len(TOKENIZER)
 MODEL = tiny_model("llama", vocab=VOCAB, seed=3)
-PROMPT = 'Answer in JSON like {"name": "Ann", "pets": [{"kind": "cat", "age": 3}], "role": "user"}:'
+# 33 tokens: two full blocks of 16 and one token. After the first prefill, a request with it hits the
+# prefix cache for 32 and computes one token in the batched decode path, not a prompt of its own.
+PROMPT = 'Answer in JSON like {"name": "Ann", "pets": [{"kind": "cat", "age": 3}], "role": "user"}: Answer:'
 
 
 class Pet(BaseModel):
@@ -99,7 +101,9 @@ PER_KIND = 200    # sampled outputs per kind, all kinds batched in one engine ru
 # the grammar's 23 ("(99*99)+(99*99)+(99*99)"): plus the stop token.
 MAX_TOKENS = {"json": 110, "regex": 12, "choice": 8, "grammar": 26}
 ENGINE = dict(max_num_seqs=256)
-POOL_BLOCKS = 1536  # of 4 tokens: 150-ish requests at once (prompt 9 blocks, answer up to 28), 256 allowed
+# Of 4 tokens: the shared prompt's 8, then each running answer's own (a JSON answer ~11, up to 28):
+# the 256 running answers outgrow it.
+POOL_BLOCKS = 320
 
 
 @pytest.fixture(scope="module")
@@ -180,12 +184,11 @@ def parses_as_grammar(text: str) -> bool:
     return pos == len(text)
 
 
-def run_all_kinds(engine, per_kind: int = PER_KIND, n: int = 1, distinct: bool = False) -> dict[str, list]:
+def run_all_kinds(engine, per_kind: int = PER_KIND, n: int = 1) -> dict[str, list]:
     """`per_kind` sampled outputs of every kind (per_kind / n requests of n samples each), all in one
-    batch; returns the completions by kind. `distinct` numbers the prompts, so that they share no
-    prefix-cached block. Prints the run's time (`-s` shows it)."""
+    batch; returns the completions by kind. Prints the run's time (`-s` shows it)."""
     kinds = [k for k in SPECS for _ in range(per_kind // n)]
-    prompts = [f"{i}. {PROMPT}" if distinct else PROMPT for i in range(len(kinds))]
+    prompts = [PROMPT] * len(kinds)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS[k], temperature=1.0, n=n,
                                                     structured_outputs=SPECS[k]) for k in kinds])
@@ -195,6 +198,10 @@ def run_all_kinds(engine, per_kind: int = PER_KIND, n: int = 1, distinct: bool =
         by_kind[kind].extend(out.outputs)
     assert all(len(c) == per_kind for c in by_kind.values())
     return by_kind
+
+
+def test_the_prompt_is_two_blocks_and_one_token(tokenizer):
+    assert len(tokenizer(PROMPT).input_ids) == 33
 
 
 def assert_all_valid(by_kind: dict[str, list]) -> None:
@@ -257,13 +264,14 @@ def test_sampled_outputs_stay_valid_under_speculation(make_engine, tokenizer):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_grammar_state_survives_preemption(make_engine, tokenizer, mode):
-    # Distinct prompts of ~9 blocks each, 800 of them: the pool holds a few dozen, and the running
-    # ones outgrow it as they generate.
+    # One shared prompt (a preempted answer's recompute hits its cached blocks, as in a real pool);
+    # the answers' own blocks outgrow the pool.
     engine = make_engine(MODEL, tokenizer, seed=4, block_size=4, num_blocks=POOL_BLOCKS, preemption_mode=mode,
                          swap_space="8MiB", **ENGINE)
-    by_kind = run_all_kinds(engine, distinct=True)
+    by_kind = run_all_kinds(engine)
     assert_all_valid(by_kind)
     distinct_outputs(by_kind)
+    print(f"preemptions {engine._scheduler.num_preemptions}, swap-outs {engine._scheduler.num_swap_outs}")
     assert engine._scheduler.num_preemptions > 0
     if mode == "swap":
         assert engine._scheduler.num_swap_outs > 0
