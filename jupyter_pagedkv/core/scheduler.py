@@ -196,7 +196,8 @@ class Scheduler:
             if admitting and (head is None or tenancy.by_priority):
                 cand = tenancy.next_candidate(self.swapped, self.waiting, blocked)
                 if cand is not None and any(cand is s for s in out.preempted):
-                    cand, admitting = None, False   # not back in the step that preempted it, nor anyone behind it
+                    blocked.add(cand.tenant)   # not back in the step that preempted it; its tenant waits too
+                    continue
             if head is not None and (cand is None or queue_order(head) < queue_order(cand)):
                 out.attempting = head
                 n = min(head.num_tokens - head.num_computed_tokens, budget)

@@ -7,15 +7,18 @@ all of L preempted: the token budget left at W's turn is 0 (and then nothing of 
 or no sequence slot would be free, or the blocks W's first chunk takes exceed the free blocks,
 minus the watermark (when anything would still run), plus the blocks only L references.
 
-The driver stands in for the engine (as tests/core/test_fair_share.py's): every scheduled chunk
-is computed, every sampling chunk appends token 1, a request finishes at its own length."""
+A tenant waits as a whole for the rest of a step, as the scheduler has it, when its first
+queued request is over its cap (max_blocks, invariant 8) or one of its requests was preempted in
+this step (not back before the next): W is the first request of another tenant then. The driver
+stands in for the engine (as tests/core/test_fair_share.py's): every scheduled chunk is
+computed, every sampling chunk appends token 1, a request finishes at its own length."""
 from __future__ import annotations
 
 import random
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from jupyter_pagedkv.core.block_pool import BlockPool
 from jupyter_pagedkv.core.block_table import BlockTable
@@ -37,21 +40,38 @@ def freeable(seqs) -> int:
 
 def violation(sched: Scheduler, out) -> str | None:
     """Invariant 11 after `out = sched.schedule()`, before the step's tokens: None when it holds."""
-    queued = [*sched.waiting, *sched.swapped]
+    kv = sched.kv
+
+    def budget_at(w):
+        return sched.max_num_batched_tokens - sum(c.num_tokens for c in out.chunks
+                                                  if queue_order(c.seq) < queue_order(w))
+
+    def tenant_blocks(w):   # what W would add to its tenant's count (its cap's measure)
+        if w.status is SequenceStatus.SWAPPED:
+            return kv.blocks_to_swap_in(w, w.num_computed_tokens + 1)
+        return kv.computed_blocks(w, max(1, budget_at(w))).num_tenant_blocks
+
+    # A tenant whose first queued request its cap keeps out waits whatever runs (invariant 8, as
+    # the scheduler blocks it for the step): W is the first request of another tenant then.
+    queued, seen, blocked = [], set(), {s.tenant for s in out.preempted}
+    for s in sorted([*sched.waiting, *sched.swapped], key=queue_order):
+        if s.tenant not in seen and sched.tenancy.over_cap(s.tenant, tenant_blocks(s)):
+            blocked.add(s.tenant)
+        seen.add(s.tenant)
+        if s.tenant not in blocked:
+            queued.append(s)
     if not queued:
         return None
-    w = min(queued, key=queue_order)
+    w = queued[0]
     lower = [s for s in sched.running if s.priority > w.priority]
     if not lower:
         return None
-    budget = sched.max_num_batched_tokens - sum(c.num_tokens for c in out.chunks
-                                                if queue_order(c.seq) < queue_order(w))
+    budget = budget_at(w)
     if budget <= 0:
         served = [c.seq.request_id for c in out.chunks if c.seq.priority > w.priority]
         return f"{served} of lower priority than {w.request_id} ran on its budget" if served else None
     if len(sched.running) - len(lower) >= sched.max_num_seqs:
         return None
-    kv = sched.kv
     if w.status is SequenceStatus.SWAPPED:
         n = min(w.num_tokens - w.num_computed_tokens, budget)
         need = kv.blocks_to_swap_in(w, w.num_computed_tokens + n)
@@ -86,22 +106,24 @@ def make(num_blocks, block_size, max_num_seqs, budget, prefix_caching, swap_slot
     return pool, Scheduler(PagedKVCacheManager(pool, swap), max_num_seqs, budget, policy=policy)
 
 
-def request(pool, rid, prompt, max_tokens, arrival, priority):
+def request(pool, rid, prompt, max_tokens, arrival, priority, tenant=None):
     return Sequence(rid, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens),
-                    BlockTable(pool), arrival, priority)
+                    BlockTable(pool), arrival, priority, tenant=tenant)
 
 
 arrivals = st.lists(st.tuples(st.integers(0, 12), st.integers(0, 3), st.integers(1, 24),
                               st.integers(1, 16), st.integers(0, 2**31)), min_size=1, max_size=14)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.generate])
 @given(reqs=arrivals, block_size=st.sampled_from([2, 4]), num_blocks=st.integers(14, 32),
        max_num_seqs=st.integers(2, 6), budget=st.integers(6, 48), prefix_caching=st.booleans(),
        swap_slots=st.sampled_from([0, 4, 64]))   # 0: recompute; 4: the swap space often full
 def test_no_lower_priority_runs_while_a_higher_one_that_fits_waits(reqs, block_size, num_blocks,
                                                                    max_num_seqs, budget, prefix_caching,
                                                                    swap_slots):
+    """Two tenants, no caps drawn (caps under "priority": test_fair_share's hard-cap test)."""
     pool, sched = make(num_blocks, block_size, max_num_seqs, budget, prefix_caching, swap_slots)
     room = (num_blocks - 1) * block_size
     pending = sorted(((at, k, prio, plen, min(mt, room - plen), seed)
@@ -114,7 +136,7 @@ def test_no_lower_priority_runs_while_a_higher_one_that_fits_waits(reqs, block_s
             at, k, prio, plen, mt, seed = pending.pop()
             rng = random.Random(seed)
             prompt = shared[:plen] if seed % 3 == 0 else [rng.randrange(1000) for _ in range(plen)]
-            sched.add(request(pool, f"r{k}", prompt, mt, float(at) + k / 100, prio))
+            sched.add(request(pool, f"r{k}", prompt, mt, float(at) + k / 100, prio, "ab"[seed % 2]))
         step(sched, finished)
         check_invariants(sched)
         n += 1
