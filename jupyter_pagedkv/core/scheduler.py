@@ -259,13 +259,12 @@ class Scheduler:
         if (len(self.running) - len(lower) >= self.max_num_seqs
                 or need > self.kv.num_free - reserve + self.kv.num_freeable(lower)):
             return False
-        preempted = False
+        before = len(out.preempted)
         while lower and (not self.kv.fits(need, reserve) or len(self.running) >= self.max_num_seqs):
             victim = lower.pop()
             self.preempt(victim, out)
             out.preempted.append(victim)
-            preempted = True
-        return preempted
+        return len(out.preempted) > before
 
     def _make_room(self, out: SchedulerOutput) -> set:
         """Under "fair": when the next tenant in line is under its share and its next request does
