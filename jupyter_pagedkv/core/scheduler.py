@@ -3,21 +3,20 @@
 Every step it first advances running sequences (decodes and unfinished prefill chunks, oldest
 first), preempting the lowest-priority (then newest) running sequence when a block cannot be
 had — by swap when a SwapSpace has room, else by recompute — then swaps sequences back in, and
-only when none waits in swap admits waiting sequences in queue order while the token budget,
-the sequence cap and free blocks (above a small watermark) allow. Which work goes next, whom a
-dry pool preempts and what a tenant may hold are the Tenancy's decisions (core/tenancy.py:
-"fcfs", the order above; "fair", weighted fair share of the pool; "priority", running and
-queued work in one queue order, a candidate preempting lower-priority work to fit).
+only when none waits in swap admits waiting sequences in queue order while the token budget, the
+sequence cap (n samples or beams count n) and free blocks (above a small watermark) allow. Which work
+goes next, whom a dry pool preempts and what a tenant may hold are the Tenancy's decisions
+(core/tenancy.py: "fcfs", the order above; "fair", weighted fair share of the pool; "priority", one
+queue order for running and queued work, a candidate preempting lower-priority work to fit).
 
 Prefix-cache hits are taken at admission, both from the cache and from full blocks that chunks
 scheduled earlier in the same step will compute: requests that arrive together with a common
 prefix (a chat template's system prompt) compute it once. That is sound because every layer writes
 the whole step's K/V before it attends, so a block one chunk computes is in the cache for the next.
 
-Where KV lives is the KVCacheManager's business (core/kv_cache_manager.py): the scheduler asks it
-for a request's computed blocks, for slots ("no room" means preempt or wait), to free, fork, swap
-and publish, and never touches a pool or a block table itself. After the forward,
-`update_from_output` is the one place that advances sequences, for the engine and the simulator.
+Where KV lives is the KVCacheManager's business (core/kv_cache_manager.py): the scheduler asks it for
+computed blocks, slots ("no room": preempt or wait), to free, fork, swap and publish, and never touches a
+pool or block table. `update_from_output` is the one post-forward step, for engine and simulator.
 """
 from __future__ import annotations
 
@@ -82,9 +81,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, device block)
     preempted: list[Sequence] = field(default_factory=list)
     resumed: list[Sequence] = field(default_factory=list)          # swapped back in this step
-    # The sequence being given slots last: if scheduling fails part-way (Scheduler.plan), it and
-    # the plan so far are what the failure touched.
-    attempting: Sequence | None = None
+    attempting: Sequence | None = None   # given slots last: what a failure part-way touched (`plan`)
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +157,9 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def seats_taken(self) -> int:   # of max_num_seqs: n (beam_width) for a sequence not yet forked
+        return sum(s.seats for s in self.running)
+
     @property
     def live(self) -> list[Sequence]:
         return [*self.running, *self.waiting, *self.swapped]
@@ -216,7 +216,7 @@ class Scheduler:
                 break
             out.attempting = cand
             chunk = None
-            if len(self.running) < self.max_num_seqs:
+            if self.seats_taken() + cand.seats <= self.max_num_seqs:   # its n samples each take a seat
                 try:
                     chunk = (self._swap_in(cand, budget, out) if cand.status is SequenceStatus.SWAPPED
                              else self._admit(cand, budget, out))
@@ -256,11 +256,11 @@ class Scheduler:
         else:
             need = self.kv.computed_blocks(cand, budget).num_new_blocks
         reserve = self.watermark_blocks if len(self.running) > len(lower) else 0
-        if (len(self.running) - len(lower) >= self.max_num_seqs
+        if (self.seats_taken() - sum(s.seats for s in lower) + cand.seats > self.max_num_seqs
                 or need > self.kv.num_free - reserve + self.kv.num_freeable(lower)):
             return False
         before = len(out.preempted)
-        while lower and (not self.kv.fits(need, reserve) or len(self.running) >= self.max_num_seqs):
+        while lower and (not self.kv.fits(need, reserve) or self.seats_taken() + cand.seats > self.max_num_seqs):
             victim = lower.pop()
             self.preempt(victim, out)
             out.preempted.append(victim)
@@ -283,7 +283,7 @@ class Scheduler:
             return set()   # it would be over its share (or cap): it waits its turn
         victims = set()
         while self.running:
-            if self.kv.fits(need, self.watermark_blocks) and len(self.running) < self.max_num_seqs:
+            if self.kv.fits(need, self.watermark_blocks) and self.seats_taken() + seq.seats <= self.max_num_seqs:
                 break
             victim = tenancy.over_share(self.running, active, seq.tenant)
             if victim is None:
