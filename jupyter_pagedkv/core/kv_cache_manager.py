@@ -72,6 +72,17 @@ class KVCacheManager(ABC):
         """Whether `num_blocks` new blocks can be had while `reserve` (the watermark) stay free."""
         return num_blocks <= self.pool.num_free - reserve
 
+    def num_freeable(self, seqs: list[Sequence]) -> int:
+        """Blocks that freeing all of `seqs` would make free: those no other sequence references
+        (what a priority preemption can win; a block shared with someone else stays)."""
+        refs: Counter[int] = Counter()
+        blocks = {}
+        for seq in seqs:
+            for b in seq.block_table.blocks:
+                refs[b.block_id] += 1
+                blocks[b.block_id] = b
+        return sum(1 for bid, n in refs.items() if blocks[bid].ref_count == n)
+
     def new_table(self) -> BlockTable:
         """An empty block table for a new sequence (its owner becomes the sequence's tenant)."""
         return BlockTable(self.pool)

@@ -214,7 +214,7 @@ class Engine(GenerationFront):
             now = time.perf_counter()
             seq = Sequence(rid, list(ids), len(ids), params, self._scheduler.kv.new_table(), now, priority,
                            extra_key=("tenant", tenant) if self._config.prefix_cache_scope == "tenant" else None,
-                           tenant=tenant)
+                           tenant=tenant, width=beam.width if beam is not None else params.n)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
             seq.grammar = grammar

@@ -302,7 +302,7 @@ class PagedKVMagics(Magics):
                 head = [{"role": "system", "content": args.system}] if args.system is not None else []
                 prompts.append(engine.apply_chat_template(head + [{"role": "user", "content": text}]))
         labels = [f"[{i + 1}] {_short(t)}" for i, t in enumerate(texts)]
-        run = CellRun(engine, labels, args.tenant)
+        run = CellRun(engine, labels, args.tenant, args.priority)
         if args.background:
             self._cells.start_background(run, prompts, params, args.out, args.no_stream, args.format)
             return
@@ -352,7 +352,7 @@ class PagedKVMagics(Magics):
             chat.system = args.system
         message = interpolate(message, self.shell.user_ns)
         prompt = chat.prompt_ids(engine, message)
-        run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"], chat.tenant)
+        run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"], chat.tenant, args.priority)
         outputs = self._cells.run(run, [prompt], params, f"chat {name}", args.no_stream, args.format)
         show_logprobs(args, outputs)
         if (line := recomputed_line(engine, outputs[0])) is not None:
