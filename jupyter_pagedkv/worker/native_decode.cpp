@@ -95,8 +95,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // monitor feed) run while it computes, as they do between the Python loop's ops.
   m.def("decode_layers", &decode_layers, "a decode-only step through Llama-shaped layers",
         py::call_guard<py::gil_scoped_release>());
+  // k_scale / v_scale: a quantized cache's scales (decode_attention.h), None for the model dtype's.
   m.def("paged_decode_attention", &paged_decode_attention, "decode rows attending over their own blocks in place",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("lens"),
+        py::arg("scale"), py::arg("window"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention_isa", &paged_decode_attention_isa, "the same, one ISA variant forced (tests)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("lens"),
+        py::arg("scale"), py::arg("window"), py::arg("isa"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
