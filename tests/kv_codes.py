@@ -10,10 +10,11 @@ LIMIT = {"int8": 127.0, "fp8_e4m3": 448.0}
 
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (codes [..., d], float16 scales [...]): scale = amax / limit (1 where amax
-    is 0), codes = x / scale rounded (int8) or cast (fp8), clamped to the code range."""
+    """x [..., d] -> (codes [..., d], float16 scales [...]): scale = amax / limit within float16's
+    normal range (2**-14 where amax is 0), codes = x / scale clamped to the code range, rounded
+    (int8) or cast (fp8)."""
     amax = x.float().abs().amax(-1)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / LIMIT[kind]).to(torch.float16)
+    scale = (amax / LIMIT[kind]).clamp(2.0 ** -14, 65504.0).to(torch.float16)
     y = (x.float() / scale.float().unsqueeze(-1)).clamp(-LIMIT[kind], LIMIT[kind])
     codes = y.round().to(torch.int8) if kind == "int8" else y.to(torch.float8_e4m3fn)
     return codes, scale
