@@ -41,6 +41,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # kv_cache_dtype -> the cache's storage dtype ("auto": the compute dtype's own)
 KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 QUANTIZED = ("fp8_e4m3", "int8")
+FP8_MIN_ARCH = 89      # Triton's fp8e4nv (e4m3) exists from sm_89 (Ada, Hopper); sm_80 has no e4m3 type
+
+
+def compiles_on(shape: AttentionShape, arch: int) -> bool:
+    """Whether `shape`'s kernels exist for sm_`arch`: an fp8 e4m3 cache only from sm_89 (the engine
+    refuses kv_cache_dtype="fp8_e4m3" with the Triton backend below it; int8 runs everywhere)."""
+    return shape.kv_dtype != torch.float8_e4m3fn or arch >= FP8_MIN_ARCH
 
 
 @dataclass(frozen=True)
@@ -194,7 +201,7 @@ def distinct_launches(models, arch: int) -> list[tuple[object, list[str]]]:
     target = GPUTarget("cuda", arch, 32)
     seen: dict[tuple, tuple[object, list[str]]] = {}
     for model in models:
-        for shape in model.shapes():
+        for shape in (s for s in model.shapes() if compiles_on(s, arch)):
             for _, launch in model_launches(shape, "meta", interpreted=False):
                 key = _binding(launch, target)[0]
                 entry = seen.setdefault(key, (launch, []))

@@ -19,6 +19,7 @@
 // weight is multiplied by its scale once, so the inner loops stay the same loops over another
 // element type. The model-dtype cache ("auto") instantiates the very code it did before.
 #include "decode_attention.h"
+#include "kv_codes.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -48,27 +49,8 @@ PAGEDKV_INLINE float to_float(c10::BFloat16 x) {
 PAGEDKV_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
 PAGEDKV_INLINE float to_float(int8_t x) { return static_cast<float>(x); }
 
-// An fp8 e4m3 ("fn": no infinities) code. Widened with integer arithmetic the compiler vectorises:
-// the significand (with its implicit 1 unless the exponent field is 0) as an integer, times
-// 2^(max(e, 1) - 10) built in a float's exponent bits, and the sign bit moved across. Exact for
-// every finite code; the two NaN codes (never written: quantizing clamps to +-448) read as +-480.
-struct Fp8E4M3 {
-  uint8_t x;
-};
-PAGEDKV_INLINE float to_float(Fp8E4M3 b) {
-  const int32_t e = (b.x >> 3) & 15, m = b.x & 7;
-  const float significand = static_cast<float>(e != 0 ? (m | 8) : m);
-  const int32_t pow_bits = ((e != 0 ? e : 1) + 117) << 23;
-  float pow2;
-  std::memcpy(&pow2, &pow_bits, sizeof pow2);
-  const float magnitude = significand * pow2;
-  uint32_t bits;
-  std::memcpy(&bits, &magnitude, sizeof bits);
-  bits |= static_cast<uint32_t>(b.x & 0x80) << 24;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using pkv_codes::Fp8E4M3;
+PAGEDKV_INLINE float to_float(Fp8E4M3 b) { return pkv_codes::widen(b); }
 
 // T: the query's element type; K: the cache's (T itself, or a quantized code with scales).
 template <typename T, typename K>

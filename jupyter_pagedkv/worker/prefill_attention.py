@@ -54,20 +54,31 @@ def problem(device: torch.device, backend: str, dtype: torch.dtype, head_dim: in
 
 
 def attend(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
-           window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+           window: int | None, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`q [n, heads, d]` over `k/v [L, kv_heads, d]`: query i sees key j when j <= i + offset
-    (and j > i + offset - window). Returns (out [n, heads, d], lse [heads, n] float32)."""
-    return module.attend(q, k, v, scale, offset, window or 0)
+    (and j > i + offset - window). Returns (out [n, heads, d], lse [heads, n] float32). k/v may
+    be a quantized cache's int8 / float8_e4m3fn codes with their fp16 scales `[L, kv_heads]`:
+    the kernel dequantizes them as it packs its key and value blocks."""
+    return module.attend(q, k, v, scale, offset, window or 0, k_scale, v_scale)
+
+
+def _scales(chunk: PrefillChunk, scale: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """A quantized cache's scales `[blocks, block_size, kv_heads]` for the chunk's blocks lo .. hi - 1,
+    as `[(hi - lo) * block_size, kv_heads]` (None for a cache in the model's dtype)."""
+    return None if scale is None else chunk.keys(scale.unsqueeze(-1), lo, hi).squeeze(-1)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                       scale: float, window: int | None = None, new_k: torch.Tensor | None = None,
                       new_v: torch.Tensor | None = None, softcap: float | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Every prefill chunk of the step: `query [T, heads, d]` (the whole step's rows); returns
     `out` (`[T, heads, d]`, new when None) with each chunk's rows filled. `new_k`/`new_v` (this
     step's keys and values) let a chunk read its own keys in place instead of gathering them
-    back; only the prefix before a chunk is read from the blocks."""
+    back; only the prefix before a chunk is read from the blocks. `k_scale`/`v_scale` (fp16
+    `[blocks, block_size, kv_heads]`) come with a quantized cache (kv_cache_dtype int8 / fp8_e4m3)."""
     out = torch.empty_like(query) if out is None else out
     kernel = meta.prefill_kernel if softcap is None else None
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -80,20 +91,27 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             own_v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
         cut = window if window is not None and chunk.ctx_len > window else None
         if kernel is not None:
-            out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut)
+            own_scales = (None, None)
+            if new_k is None and k_scale is not None:      # the chunk's own codes, with their scales
+                slots = meta.slot_mapping[s:s + n]
+                own_scales = (k_scale.view(-1, kvh)[slots], v_scale.view(-1, kvh)[slots])
+            out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut,
+                                         own_scales, (k_scale, v_scale))
         else:
             out[s:s + n] = _sdpa_chunk(query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut, softcap)
     return out
 
 
 def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
+                  own_scales: tuple = (None, None), cache_scales: tuple = (None, None)) -> torch.Tensor:
     """A prefill chunk through the C++ kernel: its own keys causally, then (if the chunk follows a
     prefix) the prefix's keys read where they lie, the two parts merged by their log-sum-exps.
-    Under a sliding window only the prefix blocks some query of the chunk can see are read."""
+    Under a sliding window only the prefix blocks some query of the chunk can see are read.
+    `own_scales` go with own_k/v when they are codes, `cache_scales` with a quantized cache."""
     n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
     start = ctx - n
-    o, lse = attend(kernel, q, own_k, own_v, scale, 0, window)
+    o, lse = attend(kernel, q, own_k, own_v, scale, 0, window, *own_scales)
     first_visible = 0 if window is None else max(0, start - window + 1)
     if start == 0 or first_visible >= start:
         return o
@@ -101,7 +119,8 @@ def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Ten
     hi = -(-start // bs)
     pk = chunk.keys(k_cache, lo // bs, hi)[:start - lo]
     pv = chunk.keys(v_cache, lo // bs, hi)[:start - lo]
-    o1, lse1 = attend(kernel, q, pk, pv, scale, start - lo, window)
+    ks, vs = (None if c is None else _scales(chunk, c, lo // bs, hi)[:start - lo] for c in cache_scales)
+    o1, lse1 = attend(kernel, q, pk, pv, scale, start - lo, window, ks, vs)
     return merge_by_lse(o1, lse1.t(), o, lse.t())       # the kernel's lse is [heads, n]
 
 
