@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .kv_quant import dequantize
 from .native_build import LazyModule
 from .paged_metadata import PagedMetadata, PrefillChunk
 from .sdpa import attend as sdpa_attend, attend_after_prefix, merge_by_lse, split_prefix_supported
@@ -77,8 +78,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """Every prefill chunk of the step: `query [T, heads, d]` (the whole step's rows); returns
     `out` (`[T, heads, d]`, new when None) with each chunk's rows filled. `new_k`/`new_v` (this
     step's keys and values) let a chunk read its own keys in place instead of gathering them
-    back; only the prefix before a chunk is read from the blocks. `k_scale`/`v_scale` (fp16
-    `[blocks, block_size, kv_heads]`) come with a quantized cache (kv_cache_dtype int8 / fp8_e4m3)."""
+    back; only the prefix before a chunk is read from the blocks (a quantized cache's with its
+    scales `k_scale`/`v_scale`: dequantized as gathered for SDPA, by the kernel as it packs them)."""
     out = torch.empty_like(query) if out is None else out
     kernel = meta.prefill_kernel if softcap is None else None
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -87,31 +88,31 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if new_k is not None:      # the chunk's own keys and values, read in place
             own_k, own_v = new_k[s:s + n], new_v[s:s + n]
         else:
-            own_k = k_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
-            own_v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+            slots = meta.slot_mapping[s:s + n]
+            own_k = dequantize(k_cache.view(-1, kvh, d)[slots], None if k_scale is None
+                               else k_scale.reshape(-1, kvh)[slots], query.dtype)
+            own_v = dequantize(v_cache.view(-1, kvh, d)[slots], None if v_scale is None
+                               else v_scale.reshape(-1, kvh)[slots], query.dtype)
         cut = window if window is not None and chunk.ctx_len > window else None
         if kernel is not None:
-            own_scales = (None, None)
-            if new_k is None and k_scale is not None:      # the chunk's own codes, with their scales
-                slots = meta.slot_mapping[s:s + n]
-                own_scales = (k_scale.view(-1, kvh)[slots], v_scale.view(-1, kvh)[slots])
             out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut,
-                                         own_scales, (k_scale, v_scale))
+                                         k_scale, v_scale)
         else:
-            out[s:s + n] = _sdpa_chunk(query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut, softcap)
+            out[s:s + n] = _sdpa_chunk(query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut, softcap,
+                                       k_scale, v_scale)
     return out
 
 
 def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
-                  own_scales: tuple = (None, None), cache_scales: tuple = (None, None)) -> torch.Tensor:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A prefill chunk through the C++ kernel: its own keys causally, then (if the chunk follows a
     prefix) the prefix's keys read where they lie, the two parts merged by their log-sum-exps.
-    Under a sliding window only the prefix blocks some query of the chunk can see are read.
-    `own_scales` go with own_k/v when they are codes, `cache_scales` with a quantized cache."""
+    Under a sliding window only the prefix blocks some query of the chunk can see are read. A
+    quantized cache's prefix goes to the kernel as codes with its scales (own keys come dequantized)."""
     n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
     start = ctx - n
-    o, lse = attend(kernel, q, own_k, own_v, scale, 0, window, *own_scales)
+    o, lse = attend(kernel, q, own_k, own_v, scale, 0, window)
     first_visible = 0 if window is None else max(0, start - window + 1)
     if start == 0 or first_visible >= start:
         return o
@@ -119,15 +120,17 @@ def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Ten
     hi = -(-start // bs)
     pk = chunk.keys(k_cache, lo // bs, hi)[:start - lo]
     pv = chunk.keys(v_cache, lo // bs, hi)[:start - lo]
-    ks, vs = (None if c is None else _scales(chunk, c, lo // bs, hi)[:start - lo] for c in cache_scales)
+    ks, vs = (None if c is None else _scales(chunk, c, lo // bs, hi)[:start - lo] for c in (k_scale, v_scale))
     o1, lse1 = attend(kernel, q, pk, pv, scale, start - lo, window, ks, vs)
     return merge_by_lse(o1, lse1.t(), o, lse.t())       # the kernel's lse is [heads, n]
 
 
 def _sdpa_chunk(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
-                softcap: float | None) -> torch.Tensor:
-    """A prefill chunk through torch: `query [n, heads, d]` -> `[n, heads, d]`."""
+                softcap: float | None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill chunk through torch: `query [n, heads, d]` -> `[n, heads, d]`; prefix rows of a
+    quantized cache are dequantized to the query's dtype as they are read."""
     n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
     gqa = query.shape[1] != k_cache.shape[2]
     q = query.transpose(0, 1).unsqueeze(0)      # [1, heads, n, d]
@@ -138,8 +141,8 @@ def _sdpa_chunk(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, c
     elif window is None and softcap is None and split_prefix_supported(query, own_v):
         # After a prefix: every query sees every prefix key, and its own chunk causally.
         start = ctx - n
-        pk = chunk.keys(k_cache, 0, -(-start // bs))[:start].transpose(0, 1).unsqueeze(0)
-        pv = chunk.keys(v_cache, 0, -(-start // bs))[:start].transpose(0, 1).unsqueeze(0)
+        pk = chunk.keys(k_cache, 0, -(-start // bs), k_scale, query.dtype)[:start].transpose(0, 1).unsqueeze(0)
+        pv = chunk.keys(v_cache, 0, -(-start // bs), v_scale, query.dtype)[:start].transpose(0, 1).unsqueeze(0)
         o = attend_after_prefix(q, pk, pv, own_k.transpose(0, 1).unsqueeze(0), own_v.transpose(0, 1).unsqueeze(0),
                                 scale)
     else:
@@ -147,8 +150,8 @@ def _sdpa_chunk(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, c
         # a dense [n, keys] mask over the keys some query of the chunk can see.
         lo = 0 if window is None else max(0, ctx - n - window + 1) // bs * bs
         hi = len(chunk.block_ids)
-        k = chunk.keys(k_cache, lo // bs, hi)[:ctx - lo].transpose(0, 1).unsqueeze(0)
-        v = chunk.keys(v_cache, lo // bs, hi)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+        k = chunk.keys(k_cache, lo // bs, hi, k_scale, query.dtype)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+        v = chunk.keys(v_cache, lo // bs, hi, v_scale, query.dtype)[:ctx - lo].transpose(0, 1).unsqueeze(0)
         qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
         kpos = torch.arange(lo, ctx, device=query.device).view(1, -1)
         mask = kpos <= qpos
