@@ -104,3 +104,36 @@ def test_written_then_read_back_the_cache_holds_what_was_written_within_the_code
         k_scale=k_scale, v_scale=v_scale)
     step = v_scale[torch.arange(1, 5), 0].float().repeat_interleave(2, 1).unsqueeze(-1)   # [4, heads, 1]
     assert ((out - value.repeat_interleave(2, 1)).abs() <= step / 2 + 1e-6).all()
+
+
+def test_the_reference_quantizer_is_the_engines(kernels):
+    """kernels/reference.py (standalone: torch only) and worker/kv_quant.py define one format."""
+    from jupyter_pagedkv.worker.kv_quant import quantize
+
+    x = torch.randn(5, 3, 64) * 10 ** torch.randn(5, 3, 1)
+    x[2, 1] = 0
+    for kind in CODES:
+        ours, theirs = kernels.reference.quantize(x, CODES[kind]), quantize(x, kind)
+        assert torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8)) and torch.equal(ours[1], theirs[1])
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_engine_on_the_triton_backend_with_a_quantized_cache_generates_what_the_torch_backend_does(kernels, kind):
+    """Chunked prefill, decode, a prefix hit and a fork (copy-on-write moves codes and scales)
+    through the Triton kernels (interpreted on the CPU) against the torch path over the same
+    quantized format."""
+    from conftest import tiny_model
+    from jupyter_pagedkv import Engine, SamplingParams
+
+    model = tiny_model("llama", seed=4).to(DEVICE)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [5, 6, 7, 8, 9, 10, 11, 12, 40, 41]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    forked = SamplingParams(n=2, max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(model, None, block_size=4, num_blocks=16, max_num_batched_tokens=8,
+                        attention_backend=backend, kv_cache_dtype=kind)
+        outs[backend] = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, [params, forked])]
+        engine.check_invariants()
+        assert engine._runner.backend == backend and engine._runner.kv_cache.k.dtype == CODES[kind]
+    assert outs["triton"] == outs["torch"]
