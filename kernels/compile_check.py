@@ -85,8 +85,8 @@ GPU_CHECK = (Model("tiny (head 16)", 4, 2, 16, None, 512, ("fp32",)),
              Model("SmolLM2-135M", 9, 3, 64, None, 8192, ("fp32", "bf16")),
              Model("Llama-3-8B", 32, 8, 128, None, 8192, ("bf16",)),
              # kv_cache_dtype "fp8_e4m3" / "int8": the quantized cache's write and attention kernels
-             Model("tiny gqa64 window 48, quantized KV", 6, 2, 64, 48, 512, ("fp32",), kv_dtypes=QUANTIZED),
-             Model("SmolLM2-135M, quantized KV", 9, 3, 64, None, 8192, ("fp32", "bf16"), kv_dtypes=QUANTIZED),
+             # (bf16 only, ~25 more variants, so the quick check keeps to its 40 s; the full grid has all)
+             Model("SmolLM2-135M, quantized KV", 9, 3, 64, None, 8192, ("bf16",), kv_dtypes=QUANTIZED),
              Model("Llama-3-8B, quantized KV", 32, 8, 128, None, 8192, ("bf16",), kv_dtypes=QUANTIZED))
 
 
