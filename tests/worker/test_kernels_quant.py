@@ -117,11 +117,12 @@ def test_the_reference_quantizer_is_the_engines(kernels):
         assert torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8)) and torch.equal(ours[1], theirs[1])
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
-def test_engine_on_the_triton_backend_with_a_quantized_cache_generates_what_the_torch_backend_does(kernels, kind):
+def test_engine_on_the_triton_backend_with_a_quantized_cache_generates_what_the_torch_backend_does(kernels):
     """Chunked prefill, decode, a prefix hit and a fork (copy-on-write moves codes and scales)
     through the Triton kernels (interpreted on the CPU) against the torch path over the same
-    quantized format."""
+    quantized format. fp8 only (~1 min interpreted on a loaded 2-core machine): int8 differs in
+    the code conversion alone, which the kernel tests above cover."""
+    kind = "fp8_e4m3"
     from conftest import tiny_model
     from jupyter_pagedkv import Engine, SamplingParams
 
