@@ -197,8 +197,8 @@ def decide_decode_attention(mode: str, device: torch.device, backend: str,
         return Decision("triton", "the Triton backend's paged attention kernel"), None
     if mode == "torch":
         return Decision("sdpa", "decode_attention='torch'"), None
-    problem = (native_disabled() or (None if device.type == "cpu" else f"the C++ kernel is for the CPU, not {device.type}")
-               or kv_dtype_problem("native decode", kv_cache_dtype))
+    problem = (kv_dtype_problem("native decode", kv_cache_dtype) or native_disabled()
+               or (None if device.type == "cpu" else f"the C++ kernel is for the CPU, not {device.type}"))
     return _native_or_sdpa("decode_attention", mode, problem, lambda: (load_extension().paged_decode_attention, None),
                            "decode_attention.cpp reads each sequence's blocks in place", "use 'auto'")
 
@@ -219,8 +219,8 @@ def decide_prefill_attention(mode: str, device: torch.device, backend: str, dtyp
         if module.supports(torch.empty(0, dtype=dtype)):  # host: a CPU kernel's dtype probe
             return module, None
         return None, f"this CPU lacks AVX-512{' BF16' if dtype == torch.bfloat16 else ''}"
-    problem = (native_disabled() or prefill_kernel.problem(device, backend, dtype, head_dim)
-               or kv_dtype_problem("native prefill", kv_cache_dtype))
+    problem = (kv_dtype_problem("native prefill", kv_cache_dtype) or native_disabled()
+               or prefill_kernel.problem(device, backend, dtype, head_dim))
     return _native_or_sdpa("prefill_attention", mode, problem, load, "prefill_attention.cpp, on this CPU's AVX-512",
                            "use 'auto' or 'torch'")
 
