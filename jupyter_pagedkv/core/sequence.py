@@ -12,6 +12,7 @@ from .block_table import BlockTable
 if TYPE_CHECKING:
     import torch
 
+    from .miss_report import MissReport
     from .sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -41,6 +42,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int | None = None   # prefix hit at first admission
+    miss: MissReport | None = None         # why each prompt block hit or not, at first admission
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     # Structured outputs: the grammar matcher of this stream (decoding/grammar.GrammarState), which
