@@ -91,9 +91,11 @@ class EngineConfig:
     prefix_cache_scope: str = option("global", "whose cached prefixes a request may hit: everyone's "
                                      "(global, vLLM's default) or its own tenant's only (tenant)",
                                      choices=("global", "tenant"))
-    scheduling_policy: str = option("fcfs", "whose work goes next when tenants compete: first come, "
-                                    "first served (fcfs) or weighted fair share of the KV pool (fair; "
-                                    "engine.set_tenant sets weights and caps)", choices=("fcfs", "fair"))
+    scheduling_policy: str = option("fcfs", "whose work goes next: first come, first served, priority "
+                                    "ordering the queue only (fcfs); weighted fair share of the KV pool "
+                                    "(fair; engine.set_tenant sets weights and caps); or preemptive "
+                                    "priority, lower runs first and may preempt higher (priority)",
+                                    choices=("fcfs", "fair", "priority"))
     preemption_mode: str = option("recompute", "what to do when blocks run out",
                                   flag="--preemption", choices=("recompute", "swap"))
     swap_space: str | int | None = option(None, "host memory for swapped-out blocks (default 1GiB)",

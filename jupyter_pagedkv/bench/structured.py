@@ -4,7 +4,7 @@ moves; medians over rounds).
 
 Each run records `StepTiming`s; the figures are medians over decode steps with all B sequences in
 the batch: the whole step, its sampling part and, within sampling, the grammar mask (filling the
-bitmask rows on the host and applying them: `StepTiming.mask_s`).
+bitmask rows on the host and applying them: `StepTiming.mask_s`), and the mask's share of the step.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ..engine.engine import Engine
-    from .gpu_parts import cpu_isa
+    from ..gpucheck.report import cpu_isa
 
     engine = Engine.from_pretrained(None, device="cpu", dtype="float32", max_num_seqs=max(args.batch, 1))
     cities = (CITIES * (args.batch // len(CITIES) + 1))[:args.batch]
@@ -91,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         steps = sum(r.get("steps", 0) for r in runs)
         result[name] = {**{k.replace("_s", "_ms"): v for k, v in med.items()}, "steps": steps,
                         **({"valid": [r["valid"] for r in runs]} if name == "schema" else {})}
+        result[name]["mask_share"] = med["mask_s"] / med["total_s"] if med["total_s"] else 0.0
         print(f"{name:>7}: step {med['total_s']:.1f} ms, sampling {med['sample_s']:.1f} ms, "
-              f"grammar mask {med['mask_s']:.1f} ms ({steps} steps)"
+              f"grammar mask {med['mask_s']:.1f} ms = {100 * result[name]['mask_share']:.0f}% of the step "
+              f"({steps} steps)"
               + (f"; complete, valid JSON {result[name]['valid']} of {args.batch}" if name == "schema" else ""))
     slower = result["schema"]["total_ms"] / result["plain"]["total_ms"] - 1
     print(f"a JSON schema on every request: step {100 * slower:+.1f}%")

@@ -53,12 +53,13 @@ SINGLE, PADDED, CONTINUOUS = "HF generate, one at a time", "HF generate, padded 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def run_ours(model, tokenizer, prompts, limits, step_log: list) -> list[list[int]]:
-    """Our engine, stepped here; `step_log` receives every step's phase timings."""
+def run_ours(model, tokenizer, prompts, limits, step_log: list, **options) -> list[list[int]]:
+    """Our engine, stepped here; `step_log` receives every step's phase timings; `options` are
+    EngineConfig's (e.g. kv_cache_dtype)."""
     from ..core.sampling_params import SamplingParams
     from ..engine.engine import Engine
 
-    engine = Engine(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=2048)
+    engine = Engine(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=2048, **options)
     engine.step_timings = step_log
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
            for p, m in zip(prompts, limits)]
@@ -118,6 +119,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-batch", type=int, default=32, help="sequences in the profiled decode steps")
     ap.add_argument("--step-steps", type=int, default=10, help="decode steps timed, and as many profiled")
     ap.add_argument("--json", type=Path, help="also write the results here (keys: see above)")
+    ap.add_argument("--shapes", type=int, default=0, metavar="N",
+                    help="instead of the tables above: N seeded workload shapes (short/long outputs, shared/"
+                         "distinct prefixes, 8-64 requests), ours against vLLM CPU on each, and the minimum "
+                         "ratio over them (throughput_shapes.py)")
+    ap.add_argument("--shape-seed", type=int, default=0, help="seed of the shapes and their texts")
+    ap.add_argument("--weights", choices=["dense", "packed"], default="dense",
+                    help="with --shapes: packed adds a second table, ours on the GGUF's packed blocks (fp32)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="with --shapes: not auto adds a second table, ours with this KV cache dtype "
+                         "(EngineConfig.kv_cache_dtype)")
     args = ap.parse_args(argv)
     args.long_prompts = [n for n in args.long_prompts if n > 0]
     return args
@@ -125,6 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.shapes:     # bench/__main__.py sends --shapes to throughput_shapes.main
+        raise SystemExit("--shapes runs through throughput_shapes.main (python -m jupyter_pagedkv.bench throughput --shapes N)")
     from transformers import AutoTokenizer
 
     from ..worker.loader import EMBEDDED_NAME, embedded_model_dir

@@ -158,3 +158,31 @@ def _num(x: float | None) -> str:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
+
+
+def shape_row(shape: str, requests: int, tokens: int, ours_s: list[float], peer_tokens: int | None,
+              peer_s: list[float]) -> dict[str, Any]:
+    """One workload shape: ours (median round) and the peer's, and ours over it round by round."""
+    ratios = per_round_ratios(tokens, ours_s, peer_tokens, peer_s) if peer_tokens else []
+    ours = tokens / statistics.median(ours_s)
+    peer = peer_tokens / statistics.median(peer_s) if peer_tokens and peer_s else None
+    return {"shape": shape, "requests": requests, "tokens": tokens, "ours_round_seconds": list(ours_s),
+            "ours_tokens_per_s": ours, "peer_round_seconds": list(peer_s), "peer_tokens_per_s": peer,
+            "ours_over_per_round": ratios, "ours_over": statistics.median(ratios) if ratios else None}
+
+
+def shapes_table(rows: list[dict[str, Any]], peer: str) -> list[str]:
+    lines = [f"| shape | requests | tokens | ours tokens/s | {peer} tokens/s | ours / peer per round | median |",
+             "|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        over = f"{r['ours_over']:.2f}x" if r["ours_over"] is not None else "-"
+        lines.append(f"| {r['shape']} | {r['requests']} | {r['tokens']} | {r['ours_tokens_per_s']:.1f} "
+                     f"| {_num(r['peer_tokens_per_s'])} | {_join(r['ours_over_per_round'], '{:.2f}x') or '-'} "
+                     f"| {over} |")
+    return lines
+
+
+def minimum_ratio(rows: list[dict[str, Any]]) -> tuple[float, str] | None:
+    """The acceptance figure: the smallest median ratio over the shapes, and its shape."""
+    measured = [(r["ours_over"], r["shape"]) for r in rows if r["ours_over"] is not None]
+    return min(measured) if measured else None

@@ -8,15 +8,32 @@ also keeps its block gauges (used, shared, cached, references) as counters updat
 transition, so reading them is O(1) however large the pool is. Every reference is taken for an
 owner (a tenant), and the pool counts the distinct blocks each owner holds (`num_held`): a block
 two tenants reference counts for both, since either alone would need it. Fair share and quotas
-read that count every step, so it is kept as a counter too.
+read that count every step, so it is kept as a counter too. For "why did this prompt miss?"
+(core/miss_report.py) the pool also keeps, at O(1) per transition, a bounded log of evicted
+hashes (when, for whom), its cached hashes by parent (the chains a prompt can be compared with)
+and how many cached blocks each salt holds.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
+
+
+# Evicted hashes remembered for `why` (a few times any pool we run; the oldest are forgotten).
+EVICTION_LOG_SIZE = 1 << 14
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """A cached block's content was dropped: at which engine step, for whose allocation (a
+    request id; "reset_prefix_cache()" when the cache was reset)."""
+
+    step: int
+    by: str | None
+    block_id: int
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -119,6 +136,12 @@ class BlockPool:
         self.num_cached = 0      # ref 0 but holding a reusable prefix
         self.held: Counter = Counter()          # owner -> distinct blocks it references
         self.held_shared: Counter = Counter()   # owner -> of those, blocks with ref >= 2
+        # For `why` (core/miss_report.py): the manager says which step and request allocate.
+        self.step = 0
+        self.claimant: str | None = None
+        self.evictions: OrderedDict[int, Eviction] = OrderedDict()
+        self.children: dict[int | None, set[int]] = {}   # parent hash -> cached hashes under it
+        self.salts: Counter = Counter()                  # extra key -> cached blocks salted with it
 
     # -- allocation -------------------------------------------------------------------------
     @property
@@ -254,22 +277,42 @@ class BlockPool:
         block.block_hash, block.parent_hash = block_hash, parent_hash
         block.token_ids, block.extra_key = tuple(token_ids), extra_key
         self.cached[block_hash] = block
+        self.children.setdefault(parent_hash, set()).add(block_hash)
+        self.salts[extra_key] += 1
         if block.ref_count == 0:
             self.num_cached += 1
         self.touched.add(block.block_id)
         return True
 
     def _evict(self, block: Block) -> None:
-        del self.cached[block.block_hash]
-        block.block_hash = block.parent_hash = block.token_ids = block.extra_key = None
+        self._log_eviction(block, self.claimant)
+        self._uncache(block)
         self.num_evictions += 1
+
+    def _uncache(self, block: Block) -> None:
+        del self.cached[block.block_hash]
+        siblings = self.children[block.parent_hash]
+        siblings.discard(block.block_hash)
+        if not siblings:
+            del self.children[block.parent_hash]
+        self.salts[block.extra_key] -= 1
+        if not self.salts[block.extra_key]:
+            del self.salts[block.extra_key]
+        block.block_hash = block.parent_hash = block.token_ids = block.extra_key = None
+
+    def _log_eviction(self, block: Block, by: str | None) -> None:
+        log = self.evictions
+        log[block.block_hash] = Eviction(self.step, by, block.block_id)
+        log.move_to_end(block.block_hash)
+        if len(log) > EVICTION_LOG_SIZE:
+            log.popitem(last=False)
 
     def reset_cache(self) -> int:
         """Forget every cached prefix (blocks in use keep their KV); returns how many were dropped."""
         dropped = 0
         for block in list(self.cached.values()):
-            del self.cached[block.block_hash]
-            block.block_hash = block.parent_hash = block.token_ids = block.extra_key = None
+            self._log_eviction(block, "reset_prefix_cache()")
+            self._uncache(block)
             self.touched.add(block.block_id)
             if block.ref_count == 0:
                 # An unhashed free block belongs at the head of the queue.
@@ -318,6 +361,12 @@ class BlockPool:
                 f"block {block.block_id}: content does not match its hash")
         hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         assert hashed == len(self.cached), "a block carries a hash that the cache does not index"
+        by_parent: dict[int | None, set[int]] = {}
+        for block_hash, block in self.cached.items():
+            by_parent.setdefault(block.parent_hash, set()).add(block_hash)
+        assert by_parent == self.children, "the cached hashes by parent disagree with the cache"
+        assert Counter(b.extra_key for b in self.cached.values()) == self.salts, (
+            f"cached blocks per salt {dict(self.salts)} disagree with the cache")
         refs = [b.ref_count for b in self.blocks]
         counted = (sum(r > 0 for r in refs), sum(r > 1 for r in refs), sum(refs),
                    sum(1 for b in self.blocks if b.ref_count == 0 and b.block_hash is not None))

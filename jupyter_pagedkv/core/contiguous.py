@@ -160,6 +160,8 @@ class ContiguousKVCacheManager(KVCacheManager):
         if not self.arena.reserve(seq.block_table, self.reservation(seq)):
             return False
         seq.block_table.grow(admission.start + admission.num_tokens, copies)   # inside the run
+        if seq.miss is None:
+            seq.miss = self.explain(seq, 0)   # every block: caching off (the baseline shares nothing)
         return True
 
     def roll_back(self, seq: Sequence, num_slots: int) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError
 from .block_table import BlockTable
+from .miss_report import MissReport, explain
 from .sequence import SequenceStatus
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class KVCacheManager(ABC):
         self.block_size = pool.block_size
         self.num_blocks = pool.num_blocks
         self.prefix_hits_by_tenant: dict[str | None, int] = {}   # prompt tokens found in the cache
+        # Hashes a previous engine (another model or revision) had cached -> its identity (`why`).
+        self.foreign: dict[int, str] = {}
 
     # -- questions (admission, fair share, quotas) -----------------------------------------------
     @property
@@ -68,6 +71,17 @@ class KVCacheManager(ABC):
     def fits(self, num_blocks: int, reserve: int = 0) -> bool:
         """Whether `num_blocks` new blocks can be had while `reserve` (the watermark) stay free."""
         return num_blocks <= self.pool.num_free - reserve
+
+    def num_freeable(self, seqs: list[Sequence]) -> int:
+        """Blocks that freeing all of `seqs` would make free: those no other sequence references
+        (what a priority preemption can win; a block shared with someone else stays)."""
+        refs: Counter[int] = Counter()
+        blocks = {}
+        for seq in seqs:
+            for b in seq.block_table.blocks:
+                refs[b.block_id] += 1
+                blocks[b.block_id] = b
+        return sum(1 for bid, n in refs.items() if blocks[bid].ref_count == n)
 
     def new_table(self) -> BlockTable:
         """An empty block table for a new sequence (its owner becomes the sequence's tenant)."""
@@ -105,6 +119,19 @@ class KVCacheManager(ABC):
         """Take `seq` in as `admission` says (hits adopted and counted, first chunk's slots held);
         False, nothing taken, when it does not fit while leaving `reserve` blocks free."""
 
+    # -- why a prompt missed (core/miss_report.py) ---------------------------------------------
+    def explain(self, seq: Sequence, num_hits: int) -> MissReport:
+        """Why each prompt block of `seq`, admitted with `num_hits` hits, is or is not a hit."""
+        return explain(self.pool, seq, num_hits, self.foreign)
+
+    def cached_hashes(self) -> list[int]:
+        """The hashes cached now (for the next engine's `remember_foreign`)."""
+        return list(self.pool.cached)
+
+    def remember_foreign(self, identity: str, hashes: list[int]) -> None:
+        """Chains another model or revision cached (a previous engine): misses on them say so."""
+        self.foreign.update(dict.fromkeys(hashes, identity))
+
     def blocks_needed(self, seq: Sequence, num_slots: int) -> int:
         """New blocks (copy-on-write included) that growing `seq` to `num_slots` slots takes."""
         return seq.block_table.blocks_needed(num_slots)
@@ -112,6 +139,7 @@ class KVCacheManager(ABC):
     def allocate_slots(self, seq: Sequence, num_slots: int, copies: list[tuple[int, int]]) -> bool:
         """Hold slots for `seq`'s positions up to `num_slots` (appending copy-on-write (src, dst)
         pairs to `copies`); False, nothing taken, when the pool has too few free blocks."""
+        self.pool.claimant = seq.request_id   # whose allocation an eviction now serves
         try:
             seq.block_table.grow(num_slots, copies)
         except NoFreeBlocksError:
@@ -163,6 +191,7 @@ class KVCacheManager(ABC):
         """Fresh device blocks for a swapped `seq` (the caller asked `fits` first): the (host slot,
         device block) copies to make; its host slots are free again."""
         table = seq.block_table
+        self.pool.claimant = seq.request_id
         table.blocks = self.pool.allocate_many(len(seq.swap_slots), table.owner)   # all or none
         table.num_slots = seq.swapped_num_slots
         copies = list(zip(seq.swap_slots, table.block_ids))
@@ -258,6 +287,9 @@ class PagedKVCacheManager(KVCacheManager):
         if not self.fits(admission.num_new_blocks, reserve):
             return False
         pool, bs, hits = self.pool, self.block_size, admission.hits
+        if seq.miss is None:   # at its first admission, before its own allocations evict anything
+            seq.miss = self.explain(seq, len(hits))
+        pool.claimant = seq.request_id
         if pool.enable_prefix_caching and seq.num_computed_tokens == 0:
             # vLLM's prefix_cache_queries / _hits, in tokens; the last token is never looked up.
             pool.prefix_cache_queries += (seq.num_tokens - 1) // bs * bs

@@ -3,19 +3,20 @@
 Every step it first advances running sequences (decodes and unfinished prefill chunks, oldest
 first), preempting the lowest-priority (then newest) running sequence when a block cannot be
 had — by swap when a SwapSpace has room, else by recompute — then swaps sequences back in, and
-only when none waits in swap admits waiting sequences in arrival order while the token budget,
-the sequence cap and free blocks (above a small watermark) allow. Which tenant's work goes next,
-whom a dry pool preempts and what a tenant may hold at most are the Tenancy's decisions
-(core/tenancy.py: "fcfs", the order above, or "fair", weighted fair share of the pool). Prefix-cache hits are taken at
-admission, both from the cache and from full blocks that chunks scheduled earlier in the same
-step will compute: requests that arrive together with a common prefix (a chat template's system
-prompt) compute it once. That is sound because every layer writes the whole step's K/V before it
-attends, so a block computed by one chunk is in the cache when another chunk of the step reads it.
+only when none waits in swap admits waiting sequences in queue order while the token budget, the
+sequence cap (n samples or beams count n) and free blocks (above a small watermark) allow. Which work
+goes next, whom a dry pool preempts and what a tenant may hold are the Tenancy's decisions
+(core/tenancy.py: "fcfs", the order above; "fair", weighted fair share of the pool; "priority", one
+queue order for running and queued work, a candidate preempting lower-priority work to fit).
 
-Where KV lives is the KVCacheManager's business (core/kv_cache_manager.py): the scheduler asks it
-for a request's computed blocks, for slots ("no room" means preempt or wait), to free, fork, swap
-and publish, and never touches a pool or a block table itself. After the forward,
-`update_from_output` is the one place that advances sequences, for the engine and the simulator.
+Prefix-cache hits are taken at admission, both from the cache and from full blocks that chunks
+scheduled earlier in the same step will compute: requests that arrive together with a common
+prefix (a chat template's system prompt) compute it once. That is sound because every layer writes
+the whole step's K/V before it attends, so a block one chunk computes is in the cache for the next.
+
+Where KV lives is the KVCacheManager's business (core/kv_cache_manager.py): the scheduler asks it for
+computed blocks, slots ("no room": preempt or wait), to free, fork, swap and publish, and never touches a
+pool or block table. `update_from_output` is the one post-forward step, for engine and simulator.
 """
 from __future__ import annotations
 
@@ -80,9 +81,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, device block)
     preempted: list[Sequence] = field(default_factory=list)
     resumed: list[Sequence] = field(default_factory=list)          # swapped back in this step
-    # The sequence being given slots last: if scheduling fails part-way (Scheduler.plan), it and
-    # the plan so far are what the failure touched.
-    attempting: Sequence | None = None
+    attempting: Sequence | None = None   # given slots last: what a failure part-way touched (`plan`)
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +157,9 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def seats_taken(self) -> int:   # of max_num_seqs: n (beam_width) for a sequence not yet forked
+        return sum(s.seats for s in self.running)
+
     @property
     def live(self) -> list[Sequence]:
         return [*self.running, *self.waiting, *self.swapped]
@@ -173,59 +175,96 @@ class Scheduler:
         return out
 
     def _schedule(self) -> SchedulerOutput:
+        """One loop over running work (growing it) and candidates (bringing them in), in the order
+        the Tenancy gives: "fcfs"/"fair" serve all running work first; "priority" interleaves by
+        queue order, so a candidate runs before every lower-priority running sequence and may
+        preempt them to fit (`_preempt_for`). Running work sits in `running` before index i."""
         out = self.plan = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.kv.begin_step()
-        blocked = self._make_room(out) if self.tenancy.fair and self.waiting else set()
+        tenancy = self.tenancy
+        blocked = self._make_room(out) if tenancy.fair and self.waiting else set()
         rebalanced = len(out.preempted)
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = out.attempting = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:   # a beam holding its logits until its siblings have theirs
-                i += 1
+        if tenancy.by_priority:
+            self.running.sort(key=queue_order)   # victims are always the last: never a scheduled one
+        i, admitting = 0, True
+        while budget > 0:
+            head = self.running[i] if i < len(self.running) else None
+            cand = None
+            if head is None and len(out.preempted) > rebalanced and not tenancy.by_priority:
+                admitting = False   # no swap-ins or admissions in a step that had to preempt to grow
+            if admitting and (head is None or tenancy.by_priority):
+                cand = tenancy.next_candidate(self.swapped, self.waiting, blocked)
+                if cand is not None and any(cand is s for s in out.preempted):
+                    blocked.add(cand.tenant)   # not back in the step that preempted it; its tenant waits too
+                    continue
+            if head is not None and (cand is None or queue_order(head) < queue_order(cand)):
+                out.attempting = head
+                n = min(head.num_tokens - head.num_computed_tokens, budget)
+                if n == 0:   # a beam holding its logits until its siblings have theirs
+                    i += 1
+                    continue
+                before = len(out.preempted)
+                if self._grow_or_preempt(head, head.num_computed_tokens + n, out):
+                    self._append(out, ScheduledChunk(head, head.num_computed_tokens, n))
+                    budget -= n
+                    # A victim earlier in `running` shifts head down: find it again rather than skip one.
+                    i = self.running.index(head) + 1 if len(out.preempted) > before else i + 1
+                # else: head itself was preempted and removed from `running`; index i holds the next.
                 continue
-            before = len(out.preempted)
-            if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
-                self._append(out, ScheduledChunk(seq, seq.num_computed_tokens, n))
-                budget -= n
-                # A victim earlier in `running` shifts seq down: find it again rather than skip one.
-                i = self.running.index(seq) + 1 if len(out.preempted) > before else i + 1
-            # else: seq itself was preempted and removed from `running`; index i now holds the next.
-        # Chunks of sequences preempted later in this loop must not run.
-        if len(out.preempted) > rebalanced:
-            gone = {s.seq_id for s in out.preempted}
-            out.chunks = [c for c in out.chunks if c.seq.seq_id not in gone]
-            return out   # no swap-ins or admissions in a step that had to preempt to grow
-
-        # Swapped sequences come back before anything new is admitted (under "fair": the tenant
-        # with the least usage goes first, its swapped work before its waiting work).
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.tenancy.next_candidate(self.swapped, self.waiting, blocked)
-            if seq is None:
+            if cand is None:
                 break
-            out.attempting = seq
-            try:
-                if seq.status is SequenceStatus.SWAPPED:
-                    if out.swap_out:
-                        break   # a host slot freed by a swap-in could be overwritten by this step's swap-out
-                    chunk = self._swap_in(seq, budget, out)
-                else:
-                    chunk = self._admit(seq, budget, out)
-            except AtTenantCap:
-                blocked.add(seq.tenant)   # that tenant waits for its own blocks; others go on
-                continue
+            out.attempting = cand
+            chunk = None
+            if self.seats_taken() + cand.seats <= self.max_num_seqs:   # its n samples each take a seat
+                try:
+                    chunk = (self._swap_in(cand, budget, out) if cand.status is SequenceStatus.SWAPPED
+                             else self._admit(cand, budget, out))
+                except AtTenantCap:
+                    blocked.add(cand.tenant)   # that tenant waits for its own blocks; others go on
+                    continue
             if chunk is None:
-                break   # the next in line does not fit, so nothing behind it jumps the queue
-            if chunk.seq.status is SequenceStatus.WAITING:
-                self.waiting.remove(seq)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                if not (tenancy.by_priority and self._preempt_for(cand, budget, i, out)):
+                    admitting = False   # the next in line does not fit: nothing behind it jumps the queue
+                continue
+            if cand.status is SequenceStatus.WAITING:
+                self.waiting.remove(cand)
+            else:
+                self.swapped.remove(cand)
+            cand.status = SequenceStatus.RUNNING
+            self.running.insert(i, cand)
+            i += 1
             if chunk.num_tokens:
                 self._append(out, chunk)
             budget -= chunk.num_tokens
+        # Chunks of sequences preempted after they were scheduled (fcfs/fair growth) must not run.
+        if len(out.preempted) > rebalanced:
+            gone = {s.seq_id for s in out.preempted}
+            out.chunks = [c for c in out.chunks if c.seq.seq_id not in gone]
         return out
+
+    def _preempt_for(self, cand: Sequence, budget: int, i: int, out: SchedulerOutput) -> bool:
+        """Under "priority": preempt running sequences of lower priority than `cand` (those not yet
+        served, `running[i:]`, lowest first) until `cand` fits, but only when preempting all of
+        them would make it fit (blocks above the watermark and a sequence slot). Whether it did."""
+        lower = self.tenancy.lower_priority(self.running[i:], cand)
+        if not lower or not self.kv.preempts:
+            return False
+        if cand.status is SequenceStatus.SWAPPED:
+            n = min(cand.num_tokens - cand.num_computed_tokens, budget)
+            need = self.kv.blocks_to_swap_in(cand, cand.num_computed_tokens + n)
+        else:
+            need = self.kv.computed_blocks(cand, budget).num_new_blocks
+        reserve = self.watermark_blocks if len(self.running) > len(lower) else 0
+        if (self.seats_taken() - sum(s.seats for s in lower) + cand.seats > self.max_num_seqs
+                or need > self.kv.num_free - reserve + self.kv.num_freeable(lower)):
+            return False
+        before = len(out.preempted)
+        while lower and (not self.kv.fits(need, reserve) or self.seats_taken() + cand.seats > self.max_num_seqs):
+            victim = lower.pop()
+            self.preempt(victim, out)
+            out.preempted.append(victim)
+        return len(out.preempted) > before
 
     def _make_room(self, out: SchedulerOutput) -> set:
         """Under "fair": when the next tenant in line is under its share and its next request does
@@ -244,7 +283,7 @@ class Scheduler:
             return set()   # it would be over its share (or cap): it waits its turn
         victims = set()
         while self.running:
-            if self.kv.fits(need, self.watermark_blocks) and len(self.running) < self.max_num_seqs:
+            if self.kv.fits(need, self.watermark_blocks) and self.seats_taken() + seq.seats <= self.max_num_seqs:
                 break
             victim = tenancy.over_share(self.running, active, seq.tenant)
             if victim is None:
@@ -289,7 +328,9 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
-        copies = self.kv.swap_out(seq) if swap else None
+        # Swap-outs run before swap-ins (worker), so none may follow a swap-in in one step: it
+        # could be given, and overwrite, a host slot the swap-in has yet to read.
+        copies = self.kv.swap_out(seq) if swap and not out.swap_in else None
         if copies is not None:
             out.swap_out.extend(copies)
             seq.status = SequenceStatus.SWAPPED
@@ -303,8 +344,7 @@ class Scheduler:
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
         """Bring a swapped sequence back into fresh blocks and schedule its next chunk, if it fits
-        (AtTenantCap if its tenant could not hold them)."""
-        assert not out.swap_out, "a host slot freed here could be overwritten by a swap-out"
+        (AtTenantCap if its tenant could not hold them); the caller moves it to `running`."""
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         needed = self.kv.blocks_to_swap_in(seq, seq.num_computed_tokens + n)
         if self.tenancy.over_cap(seq.tenant, needed):
@@ -313,9 +353,6 @@ class Scheduler:
             return None
         out.swap_in.extend(self.kv.swap_in(seq))
         out.resumed.append(seq)
-        self.swapped.remove(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
         grown = self.kv.allocate_slots(seq, seq.num_computed_tokens + n, out.copies)
         assert grown, "fits() counted the blocks growing takes"
         return ScheduledChunk(seq, seq.num_computed_tokens, n)

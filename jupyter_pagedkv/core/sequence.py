@@ -12,6 +12,7 @@ from .block_table import BlockTable
 if TYPE_CHECKING:
     import torch
 
+    from .miss_report import MissReport
     from .sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -41,6 +42,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int | None = None   # prefix hit at first admission
+    miss: MissReport | None = None         # why each prompt block hit or not, at first admission
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     # Structured outputs: the grammar matcher of this stream (decoding/grammar.GrammarState), which
@@ -52,6 +54,7 @@ class Sequence:
     extra_key: object = None   # salts the block hash chain: ("tenant", name) under prefix_cache_scope="tenant"
     tenant: str | None = None  # who the request belongs to (None: nobody named)
     sample_index: int = 0   # which of a request's n samples this is
+    width: int = 1          # sequences it becomes at its first token: n samples, or beam_width beams
     swap_slots: list[int] = field(default_factory=list)   # host slots, in block-table order
     swapped_num_slots: int = 0                           # table.num_slots when swapped out
 
@@ -72,6 +75,15 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def seats(self) -> int:
+        """Running slots (of `max_num_seqs`) this sequence takes once it runs: an n-sample or beam
+        request that has not forked yet will be n (beam_width) sequences at its first token, and
+        vLLM counts each of them, so admission reserves them all."""
+        if self.num_output_tokens or self.sample_index:
+            return 1
+        return self.width
 
     @property
     def is_finished(self) -> bool:

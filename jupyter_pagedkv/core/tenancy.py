@@ -2,10 +2,18 @@
 
 A tenant is the name a request was sent under (None: nobody named; that is one tenant too). The
 KV-cache manager answers how many distinct blocks each tenant references (`num_held`, a counter
-the pool keeps), so everything here is O(tenants) per decision. Two policies drive the Scheduler:
+the pool keeps), so everything here is O(tenants) per decision. Three policies drive the Scheduler,
+alternatives of one option (`scheduling_policy`): each answers the same questions (who comes in
+next, whom a dry pool preempts, whom a candidate that does not fit may preempt) differently.
 
-- "fcfs": work goes in queue order (priority, then arrival), swapped work first; a pool running
-  dry preempts the newest running sequence, whoever sent it.
+- "fcfs": work goes in queue order (priority, then arrival), swapped work first, all running
+  work before any new; a pool running dry preempts the last in queue order (lowest priority,
+  newest), whoever sent it. Priority only orders the queues: a waiting request never preempts.
+- "priority" (vLLM's): preemptive priority. Running and candidate work are served in one queue
+  order (running work of equal or higher priority first), and a candidate that does not fit
+  preempts running work of strictly lower priority (lowest, newest first) when that makes it fit
+  (invariant 11, docs/design.md). Equal priorities never preempt each other, so they cannot
+  take turns. Tenants' weights play no part (that is "fair"); their caps still hold.
 - "fair": weighted fair share of the KV pool. A tenant's share is weight / sum of the weights of
   the tenants with live work, times the pool; its usage is blocks held / weight. The tenant with
   the least usage goes next (its swapped work, then its waiting work, in queue order); a pool
@@ -28,7 +36,7 @@ if TYPE_CHECKING:
     from .kv_cache_manager import KVCacheManager
     from .sequence import Sequence
 
-POLICIES = ("fcfs", "fair")
+POLICIES = ("fcfs", "fair", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +59,7 @@ class Tenancy:
 
     def __init__(self, kv: KVCacheManager, policy: str = "fcfs") -> None:
         if policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {show(policy)}")
         self.kv = kv
         self.policy = policy
         self.specs: dict[str | None, TenantSpec] = {}
@@ -59,6 +67,11 @@ class Tenancy:
     @property
     def fair(self) -> bool:
         return self.policy == "fair"
+
+    @property
+    def by_priority(self) -> bool:
+        """Running work is served in queue order, interleaved with candidates (see above)."""
+        return self.policy == "priority"
 
     def set(self, name: str | None, weight: float = 1.0, max_blocks: int | None = None) -> TenantSpec:
         """Register or change a tenant (the caller checks the values; see `check_spec`)."""
@@ -89,18 +102,20 @@ class Tenancy:
     # -- decisions ------------------------------------------------------------------------------
     def next_candidate(self, swapped: Iterable[Sequence], waiting: Iterable[Sequence],
                        blocked: set) -> Sequence | None:
-        """The sequence to bring in next (swap in or admit), skipping tenants in `blocked`
-        (at their cap this step). Queues are in (priority, arrival) order already."""
+        """The sequence to bring in next (swap in or admit), skipping tenants in `blocked` (at
+        their cap this step). Queues are in (priority, arrival) order already; "priority" takes
+        the earlier of the two queues' heads, the others swapped work first."""
+        ok = lambda s: s.tenant not in blocked
         if not self.fair:
-            for queue in (swapped, waiting):
-                for seq in queue:
-                    if seq.tenant not in blocked:
-                        return seq
-            return None
+            heads = [next((s for s in queue if ok(s)), None) for queue in (swapped, waiting)]
+            heads = [s for s in heads if s is not None]
+            if self.by_priority and heads:
+                return min(heads, key=queue_order)
+            return heads[0] if heads else None
         heads: dict[str | None, Sequence] = {}
         for queue in (swapped, waiting):   # within a tenant, swapped work comes back first
             for seq in queue:
-                if seq.tenant not in blocked and seq.tenant not in heads:
+                if ok(seq) and seq.tenant not in heads:
                     heads[seq.tenant] = seq
         if not heads:
             return None
@@ -114,6 +129,11 @@ class Tenancy:
                 return max(running, key=queue_order, default=None)
             tenant = max({s.tenant for s in running}, key=self.usage, default=None)
         return max((s for s in running if s.tenant == tenant), key=queue_order, default=None)
+
+    def lower_priority(self, pending: list[Sequence], cand: Sequence) -> list[Sequence]:
+        """Under "priority": the running sequences in `pending` (in queue order) that `cand` may
+        preempt to fit: those of strictly lower priority; none under other policies."""
+        return [s for s in pending if s.priority > cand.priority] if self.by_priority else []
 
     def over_share(self, running: list[Sequence], active: set, beside: str | None) -> Sequence | None:
         """Under "fair": a victim from the tenant furthest over its share other than `beside`,

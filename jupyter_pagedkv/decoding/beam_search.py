@@ -185,7 +185,7 @@ def spawn(parent: Sequence, scheduler: Scheduler) -> Sequence:
     child = Sequence(parent.request_id, list(parent.token_ids), parent.prompt_len, parent.params,
                      table, parent.arrival_time, parent.priority,
                      num_computed_tokens=parent.num_computed_tokens if running else 0,
-                     num_cached_tokens=parent.num_cached_tokens,
+                     num_cached_tokens=parent.num_cached_tokens, miss=parent.miss,
                      block_hashes=list(parent.block_hashes), extra_key=parent.extra_key,
                      tenant=parent.tenant)
     if running:

@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from ..core.structured_outputs import StructuredOutputsParams
+from .schema_keywords import check_schema_keywords
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,8 @@ class Grammars:
         self._lock = threading.Lock()   # requests are added from any thread, outside the engine's lock
 
     def compile(self, spec: StructuredOutputsParams):
-        """The compiled grammar of `spec`; one ValueError line if xgrammar refuses it."""
+        """The compiled grammar of `spec`; one ValueError line if xgrammar refuses it, or if a JSON
+        schema has a keyword the output would not obey (`schema_keywords.py`)."""
         with self._lock:
             return self._compile(spec)
 
@@ -141,6 +143,11 @@ class Grammars:
             self._compiled.move_to_end(key)
             return compiled
         kind = spec.kind
+        if kind == "json":
+            try:
+                check_schema_keywords(spec.schema())
+            except ValueError as err:
+                raise ValueError(f"structured_outputs.json: {err}") from None
         try:
             if kind == "json":
                 # One line, ", " and ": " between items (json.dumps' style): free whitespace lets a

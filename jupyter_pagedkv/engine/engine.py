@@ -22,6 +22,7 @@ from ..config import EngineConfig
 from ..core.block_pool import BlockPool
 from ..core.contiguous import ContiguousKVCacheManager
 from ..core.kv_cache_manager import PagedKVCacheManager
+from ..core.miss_report import MissReport, PrefixLedger
 from ..core.sampling_params import BeamSearchParams, SamplingParams
 from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence
@@ -215,7 +216,7 @@ class Engine(GenerationFront):
             now = time.perf_counter()
             seq = Sequence(rid, list(ids), len(ids), params, self._scheduler.kv.new_table(), now, priority,
                            extra_key=("tenant", tenant) if self._config.prefix_cache_scope == "tenant" else None,
-                           tenant=tenant)
+                           tenant=tenant, width=beam.width if beam is not None else params.n)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
             seq.grammar = grammar
@@ -283,8 +284,7 @@ class Engine(GenerationFront):
 
     def _handle(self, rid: str) -> Request:
         with self._lock:
-            return self._requests.get(rid) or next(r for r in reversed(self._finished)
-                                                   if r.request_id == rid)
+            return self._requests.get(rid) or next(r for r in reversed(self._finished) if r.request_id == rid)
 
     def _result(self, req: Request) -> RequestOutput:
         return self._outputs.output(req)
@@ -315,14 +315,7 @@ class Engine(GenerationFront):
         with self._lock:
             for rid in list(self._requests):
                 self.abort(rid)
-            self._kv_cache.release()
-            self._runner.packed.release(restore=not self._owns_model)
-            if self._runner.padded is not None:
-                self._runner.padded.release()
-            for drafter in self._speculator.drafters.values():
-                if hasattr(drafter, "release"):
-                    drafter.release()
-            self._runner.model = None
+            setup.release(self._kv_cache, self._runner, self._speculator.drafters.values(), self._owns_model)
             self.model = None
         gc.collect()
         from ..worker.host_memory import return_freed_memory
@@ -369,6 +362,14 @@ class Engine(GenerationFront):
 
     def reset_prefix_cache(self) -> int:
         return self._inspection.reset_prefix_cache()
+
+    def why(self, request_id: str | None = None) -> MissReport:
+        """Why each prompt block of a request (None: the newest) hit the prefix cache or not."""
+        return self._inspection.why(request_id, self.tokenizer)
+
+    def prefix_ledger(self, previous: PrefixLedger | None = None) -> PrefixLedger:
+        """Model identity and cached chains; a `previous` engine's (other model or revision) feed `why`."""
+        return self._inspection.prefix_ledger(self._config.revision, previous)
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         self._inspection.add_step_listener(listener)

@@ -21,7 +21,7 @@ def fork_samples(req: Request, seq: Sequence, scheduler: Scheduler) -> list[Sequ
         child = Sequence(seq.request_id, list(seq.token_ids), seq.prompt_len, seq.params,
                          scheduler.kv.fork(seq), seq.arrival_time, seq.priority,
                          num_computed_tokens=seq.num_computed_tokens,
-                         num_cached_tokens=seq.num_cached_tokens,
+                         num_cached_tokens=seq.num_cached_tokens, miss=seq.miss,
                          block_hashes=list(seq.block_hashes), extra_key=seq.extra_key, tenant=seq.tenant)
         child.sample_index = i
         if seq.grammar is not None:   # the samples part here: each gets its own parse state

@@ -67,11 +67,17 @@ class GenerationFront:
     """The high-level calls; see the module docstring for what a host must provide."""
 
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False, tenant: str | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, tenant: str | None = None,
+                 priority: int | Seq[int] = 0) -> list[RequestOutput]:
         """Run prompts to completion together; one RequestOutput per prompt, in order. `tenant`
-        names who sends them all (see `add_request`)."""
+        names who sends them all (see `add_request`); `priority`, one for all or one per prompt
+        (vLLM's list), says who goes first (lower first)."""
         prompts = prompt_list(prompts)
-        return self._wait(self._submit_all(prompts, param_list(params, len(prompts)), tenant), use_tqdm)
+        if isinstance(priority, (list, tuple)) and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts: give one, or one per prompt")
+        priorities = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        return self._wait(self._submit_all(prompts, param_list(params, len(prompts)), tenant, priorities),
+                          use_tqdm)
 
     def chat(self, messages, params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False, tenant: str | None = None) -> list[RequestOutput]:
@@ -109,12 +115,13 @@ class GenerationFront:
                 self.abort(rid)
 
     # -- shared -------------------------------------------------------------------------------------
-    def _submit_all(self, prompts: list, params: list, tenant: str | None = None) -> list[str]:
+    def _submit_all(self, prompts: list, params: list, tenant: str | None = None,
+                    priorities: list | None = None) -> list[str]:
         """Add every request, or none: a rejected one aborts those already added."""
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.add_request(p, sp, tenant=tenant))
+            for p, sp, prio in zip(prompts, params, priorities or [0] * len(prompts)):
+                ids.append(self.add_request(p, sp, priority=prio, tenant=tenant))
         except BaseException:
             for rid in ids:
                 self.abort(rid)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from ..config import format_bytes
 from ..core.block_pool import BlockPool
 from ..core.invariants import check_invariants
+from ..core.miss_report import MissReport, PrefixLedger
 from ..core.scheduler import Scheduler
 from ..core.stats import EngineCounters, EngineStats, engine_stats, pool_snapshot
 from ..core.swap_space import SwapSpace
@@ -165,6 +166,38 @@ class EngineInspection:
     def reset_prefix_cache(self) -> int:
         with self._lock:
             return self.pool.reset_cache()
+
+    def why(self, request_id: str | None, tokenizer) -> MissReport:
+        """The miss report a request got at its first admission (None: the newest request), with
+        the text around its first differing token decoded (outside the lock)."""
+        with self._lock:
+            known = [*self.finished_requests, *self._requests.values()]
+            if request_id is None:
+                req = max(known, key=lambda r: r.metrics.arrival_time, default=None)
+                if req is None:
+                    raise ValueError("no request yet: run one, then ask why it missed the prefix cache")
+            else:
+                req = next((r for r in known if r.request_id == request_id), None)
+                if req is None:
+                    raise ValueError(f"no request {request_id!r}: the engine keeps live requests and the "
+                                     f"last {self.finished_requests.maxlen} finished (see %pagedkv requests)")
+            report = next((s.miss for s in req.seqs if s.miss is not None), None)
+            if report is None:
+                raise ValueError(f"request {req.request_id!r} has not been admitted yet: ask again once it runs")
+            prompt = list(req.prompt_token_ids)
+        t = report.first_difference
+        if t is None or tokenizer is None:
+            return report
+        before, after = tokenizer.decode(prompt[max(0, t - 16):t]), tokenizer.decode(prompt[t:t + 16])
+        return replace(report, snippet=f"...{before[-24:]}▸{after[:24]}...")
+
+    def prefix_ledger(self, revision: str | None, previous: PrefixLedger | None) -> PrefixLedger:
+        """Remember `previous`'s chains (another model, revision or dtype) for `why`; this engine's own."""
+        identity = f"{self.name}@{revision or 'main'} ({str(self.dtype).replace('torch.', '')})"
+        with self._lock:
+            if previous is not None and previous.identity != identity:
+                self.scheduler.kv.remember_foreign(previous.identity, list(previous.hashes))
+            return PrefixLedger(identity, tuple(self.scheduler.kv.cached_hashes()))
 
 
 def _quantized(spec) -> str:

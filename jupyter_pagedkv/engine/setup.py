@@ -1,5 +1,5 @@
 """How an engine's parts are sized from its config: KV blocks from memory, the swap space, the
-model's end-of-sequence ids."""
+model's end-of-sequence ids; and how they are released at shutdown."""
 from __future__ import annotations
 
 import torch
@@ -62,3 +62,16 @@ def eos_token_ids(model, tokenizer) -> set[int]:
         elif source:
             ids.update(source)
     return ids
+
+
+def release(kv_cache: KVCache, runner, drafters, owns_model: bool) -> None:
+    """Give back the KV memory, the packed weights (a model passed in gets its plain ones back),
+    the padded decode buffers and the drafters' memory; the runner drops the model."""
+    kv_cache.release()
+    runner.packed.release(restore=not owns_model)
+    if runner.padded is not None:
+        runner.padded.release()
+    for drafter in drafters:
+        if hasattr(drafter, "release"):
+            drafter.release()
+    runner.model = None

@@ -68,6 +68,7 @@ class Stepping:
         step goes on for the others."""
         with self._lock:
             t0 = time.perf_counter()
+            self.scheduler.kv.pool.step = self.counters.num_steps   # what `why` stamps evictions with
             try:
                 sched = self.scheduler.schedule()
             except BaseException as err:   # its swaps and copies will not run: what it planned ends

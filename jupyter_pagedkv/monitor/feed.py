@@ -45,7 +45,9 @@ class Frame:
     are parallel arrays over the listed blocks; `owners` maps each listed block that has owners
     (or lost them) to its request ids, and `tenants` the same blocks to the tenants whose requests
     hold them (core.stats.UNNAMED for none; two names: shared across tenants); `gauges` are the
-    pool and scheduler numbers of this moment (per-tenant ones under "tenants")."""
+    pool and scheduler numbers of this moment (per-tenant ones under "tenants"); `why` maps request
+    ids first seen holding blocks (a full frame: every owner) to why their prompt blocks hit the
+    prefix cache or not (`engine.why`, one paragraph), which the view's hover shows."""
 
     seq: int
     prev: int
@@ -60,6 +62,7 @@ class Frame:
     tenants: dict[int, list[str]]
     gauges: dict[str, Any]
     history: list[float] = field(default_factory=list)
+    why: dict[str, str] = field(default_factory=dict)
 
     def header(self) -> dict[str, Any]:
         """The JSON part of the frame (everything but the three arrays)."""
@@ -67,7 +70,7 @@ class Frame:
                 "block_size": self.block_size, "legend": list(self.legend),
                 "owners": {str(k): v for k, v in self.owners.items()},
                 "tenants": {str(k): v for k, v in self.tenants.items()}, "gauges": self.gauges,
-                "history": self.history}
+                "history": self.history, "why": self.why}
 
     def buffers(self) -> list[bytes]:
         return [self.ids.astype("<u4").tobytes(), self.codes.tobytes(), self.refs.tobytes()]
@@ -105,6 +108,7 @@ class MonitorFeed:
         self._code = {s: i for i, s in enumerate(self.legend)}
         self.owners: dict[int, list[str]] = {}
         self.tenants: dict[int, list[str]] = {}
+        self.why: dict[str, str] = {}   # request id -> its miss report ("" where the engine cannot tell)
         self.seq = 0
         self.gauges: dict[str, Any] = {}
         self.history: deque[float] = deque(maxlen=240)
@@ -184,7 +188,7 @@ class MonitorFeed:
                          np.arange(n, dtype=np.uint32), self.codes.copy(), self.refs.copy(),
                          {k: list(v) for k, v in self.owners.items()},
                          {k: list(v) for k, v in self.tenants.items()}, dict(self.gauges),
-                         list(self.history))
+                         list(self.history), self._whys(self.owners))
 
     # -- the thread -------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -261,7 +265,8 @@ class MonitorFeed:
         frame = Frame(self.seq, prev, False, len(self.codes), self.block_size, list(self.legend),
                       ids, self.codes[ids], self.refs[ids],
                       {i: list(self.owners.get(i, ())) for i in changed},
-                      {i: list(self.tenants.get(i, ())) for i in changed}, dict(self.gauges))
+                      {i: list(self.tenants.get(i, ())) for i in changed}, dict(self.gauges),
+                      why=self._whys({i: self.owners[i] for i in changed if i in self.owners}, new_only=True))
         for token, send in list(self._subscribers.items()):
             try:
                 send(frame)
@@ -270,6 +275,25 @@ class MonitorFeed:
                 self._subscribers.pop(token, None)
         self.num_frames += 1
         return frame
+
+    def _whys(self, owners: dict[int, list[str]], new_only: bool = False) -> dict[str, str]:
+        """Why each request holding these blocks missed the prefix cache; asked once per request
+        (a server cannot tell: ""), the memo pruned to the current owners when it grows."""
+        ids = {rid for names in owners.values() for rid in names}
+        if len(self.why) > 1024:
+            live = {rid for names in self.owners.values() for rid in names}
+            self.why = {rid: text for rid, text in self.why.items() if rid in live}
+        out = {}
+        for rid in sorted(ids):
+            known = rid in self.why
+            if not known:
+                try:
+                    self.why[rid] = str(self.engine.why(rid))
+                except ValueError:
+                    self.why[rid] = ""
+            if self.why[rid] and not (new_only and known):
+                out[rid] = self.why[rid]
+        return out
 
     def _compare(self, snap: dict, block_ids: list[int] | None) -> list[int]:
         """Fold a (partial) pool snapshot into the published arrays; return the ids that changed."""

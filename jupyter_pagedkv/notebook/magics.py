@@ -26,7 +26,8 @@ from .streaming import CellRun
 
 logger = logging.getLogger(__name__)
 
-COMMANDS = ("load", "unload", "status", "requests", "tenants", "reset-cache", "monitor", "bench", "plan", "help")
+COMMANDS = ("load", "unload", "status", "requests", "tenants", "why", "reset-cache", "monitor", "bench", "plan",
+            "help")
 HELP = """\
 jupyter-pagedkv magics (one engine per kernel, shared by every cell):
   %pagedkv load [MODEL] [options]   load a model (default: the embedded SmolLM2-135M-Instruct)
@@ -36,6 +37,9 @@ jupyter-pagedkv magics (one engine per kernel, shared by every cell):
   %pagedkv tenant NAME [--weight W] [--max-blocks N]
                                     a tenant's weight in the fair share (load --scheduling-policy
                                     fair) and its hard cap on blocks held
+  %pagedkv why [REQ]                why each prompt block of a request (default: the last one) hit
+                                    the prefix cache or not: where it differs, evicted (when, by
+                                    whom), another tenant's salt, another model, partial block...
   %pagedkv monitor                  the live block-pool widget (text outside a notebook)
   %pagedkv reset-cache              drop cached prefixes (blocks not in use)
   %pagedkv unload                   release the model and the KV memory
@@ -70,7 +74,7 @@ class PagedKVMagics(Magics):
     # -- %pagedkv -------------------------------------------------------------------------------
     @magic_arguments()
     @argument("command", nargs="?", default="help", choices=COMMANDS, metavar="COMMAND",
-              help="load | unload | status | requests | tenants | reset-cache | monitor | bench | plan | help")
+              help="load | unload | status | requests | tenants | why | reset-cache | monitor | bench | plan | help")
     @argument("model", nargs="?", default=None, metavar="MODEL",
               help="load: a Hugging Face model folder or cached id (default: embedded SmolLM2-135M-Instruct)")
     @load_arguments
@@ -78,7 +82,7 @@ class PagedKVMagics(Magics):
     def pagedkv(self, line: str) -> None:
         """Load, inspect and release the kernel's paged KV-cache engine. `%pagedkv help` for a tour."""
         words = line.split(None, 1)
-        if words and words[0] in ("bench", "plan", "connect", "disconnect", "tenant"):
+        if words and words[0] in ("bench", "plan", "connect", "disconnect", "tenant", "why"):
             return getattr(self, "_" + words[0])(words[1] if len(words) > 1 else "")
         args = parse_line(self.pagedkv, line)
         if args.command != "load":
@@ -142,6 +146,15 @@ class PagedKVMagics(Magics):
     def _tenant(self, line: str) -> None:
         try:
             print(set_tenant_line(self.session.require_engine(), line))
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+    def _why(self, rest: str) -> None:
+        words = rest.split()
+        if len(words) > 1:
+            raise UsageError("usage: %pagedkv why [REQUEST_ID] (the ids %pagedkv requests lists; default: the last)")
+        try:
+            print(self.session.require_engine().why(words[0] if words else None))
         except ValueError as err:
             raise UsageError(str(err)) from None
 
@@ -276,7 +289,7 @@ class PagedKVMagics(Magics):
                 head = [{"role": "system", "content": args.system}] if args.system is not None else []
                 prompts.append(engine.apply_chat_template(head + [{"role": "user", "content": text}]))
         labels = [f"[{i + 1}] {_short(t)}" for i, t in enumerate(texts)]
-        run = CellRun(engine, labels, args.tenant)
+        run = CellRun(engine, labels, args.tenant, args.priority)
         if args.background:
             self._cells.start_background(run, prompts, params, args.out, args.no_stream, args.format)
             return
@@ -326,12 +339,24 @@ class PagedKVMagics(Magics):
             chat.system = args.system
         message = interpolate(message, self.shell.user_ns)
         prompt = chat.prompt_ids(engine, message)
-        run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"], chat.tenant)
+        run = CellRun(engine, [f"{name} #{chat.num_turns + 1}"], chat.tenant, args.priority)
         outputs = self._cells.run(run, [prompt], params, f"chat {name}", args.no_stream, args.format)
         show_logprobs(args, outputs)
+        if (line := recomputed_line(engine, outputs[0])) is not None:
+            print(line)
         chat.record(message, outputs[0])
         if args.out:
             self.shell.user_ns[args.out] = kept_output(outputs, params)
+
+
+def recomputed_line(engine, output) -> str | None:
+    """The chat footer's extra line: a turn that recomputed more than one block some cache held
+    (evicted, another tenant's or model's, past a miss); None otherwise or where nobody can tell."""
+    try:
+        report = engine.why(output.request_id)
+    except ValueError:   # a server cannot tell; an aborted turn never admitted
+        return None
+    return report.line() if report.num_reusable > 1 else None
 
 
 def _short(text: str, width: int = 40) -> str:

@@ -149,6 +149,9 @@ def sampling_arguments(f: Callable) -> Callable:
         argument("--tenant", default=None, metavar="NAME",
                  help="who sends the cell's requests (with --prefix-cache-scope tenant at load, a tenant "
                       "hits only its own cached prefixes)"),
+        argument("--priority", type=int, default=0, metavar="N",
+                 help="the cell's requests' priority: lower runs first (queue order under every "
+                      "policy; preempts higher under --scheduling-policy priority at load)"),
         argument("--out", default=None, metavar="VAR",
                  help="store the RequestOutput (a list for several prompts) in variable VAR"),
         argument("--no-stream", action="store_true", help="show the text only when it is complete"),

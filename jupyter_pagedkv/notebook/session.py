@@ -142,6 +142,8 @@ class KernelSession:
         preflight(model, engine_kwargs.get("device", "auto"), engine_kwargs.get("dtype", "auto"),
                   engine_kwargs.get("revision"), engine_kwargs.get("trust_remote_code", False))
         self.disconnect()
+        # What the old model cached, so `why` on the new one says "another model" for it.
+        ledger = self.engine.prefix_ledger() if self.engine is not None else None
         if self.engine is not None:
             self.unload()
         from .progress import Stages
@@ -156,6 +158,7 @@ class KernelSession:
             bar.next(f"loading {model or 'SmolLM2-135M-Instruct'} + allocating the KV cache")
             from ..engine.engine import Engine
             engine = Engine.from_pretrained(model, **engine_kwargs)
+            engine.prefix_ledger(ledger)
             bar.next("starting the engine thread")
             engine.start()
         finally:

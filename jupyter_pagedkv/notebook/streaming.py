@@ -102,9 +102,11 @@ class Throttle:
 class CellRun:
     """The requests of one cell: added with one shared listener, waited on and aborted together."""
 
-    def __init__(self, engine: EngineClient, labels: Sequence[str], tenant: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, labels: Sequence[str], tenant: str | None = None,
+                 priority: int = 0) -> None:
         self.engine = engine
         self.tenant = tenant
+        self.priority = priority
         self.queue: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
         self.panels: list[Panel] = []
         self._labels = list(labels)
@@ -119,7 +121,8 @@ class CellRun:
             beams = getattr(params, "beam_width", None)
             n, kind = (beams, "beam") if beams else (getattr(params, "n", 1) or 1, "sample")
             for prompt, label in zip(prompts, self._labels):
-                rid = self.engine.add_request(prompt, params, listener=self.queue, tenant=self.tenant)
+                rid = self.engine.add_request(prompt, params, priority=self.priority, listener=self.queue,
+                                              tenant=self.tenant)
                 self.panels.append(Panel(rid, label, num_samples=n, kind=kind))
         except BaseException:
             self.abort()

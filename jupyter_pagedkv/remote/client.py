@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from ..core.sampling_params import SamplingParams
 from ..core.stats import Throughput
 from ..engine.frontend import GenerationFront, check_messages
-from ..engine.intake import check_params, check_tenant
+from ..engine.intake import check_params, check_request_fields, check_tenant
 from ..engine.outputs import RequestMetrics, RequestOutput, StreamDelta
 from . import api_key as api_key_source, wire
 from .cache_salt import check_salt_support, salt_refused
@@ -179,7 +179,9 @@ class RemoteEngine(RemoteInspection, GenerationFront):
                     tenant: str | None = None) -> str:
         """Start one streamed request on its own thread; returns its id (as the local engine's).
         `tenant` goes as vLLM's cache_salt (>= 0.9; else one line, nothing sent): the server salts
-        per request, so a named tenant's prefixes are always isolated (no "global" scope here)."""
+        per request, so a named tenant's prefixes are always isolated (no "global" scope here).
+        A non-zero `priority` goes as vLLM's `priority` field (the server needs its priority policy)."""
+        check_request_fields(request_id, priority)
         if (tenant := check_tenant(tenant)) is not None:
             check_salt_support(self.url, self.version)
         params = check_params(params)
@@ -188,6 +190,8 @@ class RemoteEngine(RemoteInspection, GenerationFront):
         body = request_body(prompt, params, self.model, self.version is not None)
         if tenant is not None:
             body["cache_salt"] = tenant
+        if priority:
+            body["priority"] = priority
         text = prompt if isinstance(prompt, str) else None
         ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
         with self._lock:

@@ -162,6 +162,16 @@ class RemoteInspection:
         raise UnsupportedByServer(f"{self.url} reports its pool (KV events), not its block tables: read "
                                   "block tables on the kernel's engine (%pagedkv disconnect)")
 
+    def why(self, request_id: str | None = None):
+        raise UnsupportedByServer(f"{self.url} reports no per-request prefix-cache lookups, so why a prompt "
+                                  "missed is not available from a server: ask the kernel's engine "
+                                  "(%pagedkv disconnect)")
+
+    def prefix_ledger(self, previous=None):
+        """A server's prefix cache is its own: nothing to hand over, nothing to remember."""
+        from ..core.miss_report import PrefixLedger
+        return PrefixLedger(self.name, ())
+
     def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
         raise UnsupportedByServer(f"{self.url} takes no tenant weights or caps (a server applies its own "
                                   "policy): use the kernel's engine (%pagedkv disconnect)")

@@ -22,7 +22,7 @@ def sim_config_of(engine) -> SimConfig:
                      max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                      allocator=config.allocator, preemption_mode=config.preemption_mode,
                      swap_blocks=info.swap_blocks, enable_prefix_caching=info.prefix_caching,
-                     max_model_len=info.max_model_len)
+                     max_model_len=info.max_model_len, scheduling_policy=config.scheduling_policy)
 
 
 def model_cost_of(engine) -> ModelCost:
@@ -87,7 +87,8 @@ def offline_check(engine, prompts: list[TimedPrompt]) -> tuple[ScheduleCheck, li
     engine.reset_prefix_cache()
     engine.trace = []
     try:
-        outs = engine.generate([p.prompt_ids for p in prompts], [p.params for p in prompts])
+        outs = engine.generate([p.prompt_ids for p in prompts], [p.params for p in prompts],
+                               priority=[p.priority for p in prompts])
         trace = engine.trace
     finally:
         engine.trace = None

@@ -137,3 +137,80 @@ def with_history(engine, requests: list[BenchRequest], turns: int, reply_tokens:
             conv.append({"role": "assistant", "content": reply.text.strip()})
             conv.append({"role": "user", "content": FOLLOW_UPS[(i + turn) % len(FOLLOW_UPS)]})
     return conversations
+
+
+# -- seeded workload shapes for `bench throughput --shapes` -------------------------------------
+# Why: one prompt set can flatter an engine (the issue behind #37 saw 1.75x vLLM on the default set
+# and 1.47x on another of the same kind), so throughput is judged on the minimum over shapes that
+# vary what a scheduler and a model runner feel: output length, prefix sharing, batch size.
+OUTPUT_RANGES = {"short": (8, 32), "long": (128, 256)}
+CORNERS = tuple((o, p) for o in OUTPUT_RANGES for p in ("shared", "distinct"))
+REQUEST_COUNTS = (8, 16, 32, 64)
+TOPICS = SUBJECTS + ["tide pools", "paper kites", "glaciers", "bicycle gears", "city parks", "radio waves",
+                     "bread ovens", "desert plants", "harbour cranes", "wool dyeing", "street markets", "comets"]
+ROLES = ["a museum guide", "a science teacher", "a travel writer", "a librarian", "a park ranger", "an engineer"]
+STYLES = ["Answer plainly and avoid jargon.", "Prefer concrete numbers to adjectives.",
+          "Use short sentences.", "Mention one common misconception when it helps.",
+          "Say when something is uncertain.", "Give an everyday comparison where you can.",
+          "Keep lists to at most five items.", "End with one question the reader might ask next."]
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """One seeded workload: `requests` chat requests whose system prompts are one shared text
+    (prefix "shared": the prefix cache can hit) or one text each (prefix "distinct"), asking for
+    outputs in OUTPUT_RANGES[outputs]; `seed` sets every text and length in it."""
+
+    name: str
+    seed: int
+    requests: int
+    outputs: str
+    prefix: str
+
+    @property
+    def token_range(self) -> tuple[int, int]:
+        return OUTPUT_RANGES[self.outputs]
+
+
+def draw_shapes(n: int, seed: int = 0) -> list[WorkloadShape]:
+    """`n` shapes, the same for the same (n, seed): the four corners (short/long outputs x
+    shared/distinct prefixes) in turn, each run of four given the request counts 8, 16, 32 and 64
+    in a seeded order, so any four consecutive shapes cover every corner and both extremes."""
+    if n <= 0:
+        raise ValueError(f"--shapes needs a positive number of shapes, got {n}")
+    rng = random.Random(f"shapes-{seed}")
+    out = []
+    for start in range(0, n, len(CORNERS)):
+        counts = rng.sample(REQUEST_COUNTS, len(REQUEST_COUNTS))
+        for j, (outputs, prefix) in enumerate(CORNERS[:n - start]):
+            i = start + j
+            out.append(WorkloadShape(f"{i}:{outputs}-{prefix}-{counts[j]}", seed * 1000 + i, counts[j],
+                                     outputs, prefix))
+    return out
+
+
+def _system_text(rng: random.Random) -> str:
+    """A system prompt of ~150-250 words: a role, a topic list and style rules, all seeded."""
+    topics = rng.sample(TOPICS, 6)
+    rules = rng.sample(STYLES, 5)
+    lines = [f"You are {rng.choice(ROLES)} answering visitors' questions in a notebook.",
+             f"Today's topics are {', '.join(topics[:-1])} and {topics[-1]}."]
+    for k in range(rng.randint(4, 8)):
+        t = topics[k % len(topics)]
+        lines.append(f"Note {k + 1}: when asked about {t}, first say what {t} is, then how it is used, "
+                     f"then one fact about {rng.choice(topics)} that connects to it. {rng.choice(rules)}")
+    return " ".join(lines + rules)
+
+
+def shape_requests(shape: WorkloadShape) -> list[BenchRequest]:
+    """The shape's chat requests: messages (system + user) and seeded max_tokens in its range."""
+    rng = random.Random(f"shape-{shape.seed}")
+    lo, hi = shape.token_range
+    shared = _system_text(rng) if shape.prefix == "shared" else None
+    out = []
+    for _ in range(shape.requests):
+        system = shared if shared is not None else _system_text(rng)
+        ask = rng.choice(ASKS).format(s=rng.choice(TOPICS))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": ask}]
+        out.append(BenchRequest(messages, rng.randint(lo, hi)))
+    return out

@@ -82,13 +82,14 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     `q [T, heads, d]` over the paged cache; returns `[T, heads, d]`. Shared by the AttentionInterface
     entry above and the lean forward loop (lean_forward.py)."""
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)
+    k_scale, v_scale = meta.kv_cache.layer_scales(layer_idx)
     if meta.backend == "triton":
         if softcap is not None:   # Engine refuses this pairing at build time; a guard for direct use
             raise NotImplementedError("the Triton kernels do not soft-cap attention logits: use the torch backend")
         from .kernels_bridge import paged_attention_triton, write_kv_triton
-        write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
-    k_scale, v_scale = meta.kv_cache.layer_scales(layer_idx)
+        # A quantized cache: the write kernel quantizes (kv_quant.quantize's ops), attention reads codes.
+        write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale)
     if k_scale is None:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.all_slots_valid)
     else:

@@ -18,8 +18,9 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """`query [num_decode, heads, d]` over one layer's cache (quantized: with its scales
     `[blocks, block_size, kv_heads]`); returns the same shape. The kernel does not soft-cap, so a
     soft-capped model keeps SDPA's written-out form."""
-    if meta.decode_kernel is not None and softcap is None:
-        return meta.decode_kernel(query, k_cache, v_cache, meta.decode_block_tables, meta.seq_lens, scale, window or 0)
+    if meta.decode_kernel is not None and softcap is None:     # a quantized cache: codes and scales read as they lie
+        return meta.decode_kernel(query, k_cache, v_cache, meta.decode_block_tables, meta.seq_lens, scale, window or 0,
+                                  k_scale, v_scale)
     nd, heads, d = query.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     bt = meta.decode_block_tables

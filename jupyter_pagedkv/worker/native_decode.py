@@ -128,7 +128,8 @@ class NativeDecode:
             weights["qkv"], weights["bqkv"], weights["o"], weights["bo"], weights["gu"], weights["bgu"],
             weights["down"], weights["bdown"], kv.k, kv.v, paged.slot_mapping,
             paged.decode_block_tables, paged.seq_lens, self.heads, self.kv_heads, self.head_dim,
-            self.intermediate, self.scaling, self.windows, kinds, DENSE_FROM_ROWS)
+            self.intermediate, self.scaling, self.windows, kinds, DENSE_FROM_ROWS,
+            kv.k_scale, kv.v_scale)
 
     def prove(self, native: torch.Tensor, lean: torch.Tensor) -> None:
         """The first served step: keep the C++ loop only if it gave the lean loop's very values."""

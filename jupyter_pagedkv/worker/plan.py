@@ -38,17 +38,25 @@ KERNEL_MODES = ("auto", "native", "torch")
 # The KV cache dtypes (kv_quant.py) each attention kernel reads; torch's SDPA path reads all of
 # them, dequantizing what it gathers. A kernel that learns a format adds it here, and nowhere else.
 KERNEL_KV_DTYPES: dict[str, tuple[str, ...]] = {
-    "triton": ("auto",),                # kernels/paged_attention.py, kernels/cache_ops.py
-    "native decode": ("auto",),         # decode_attention.cpp
-    "native prefill": ("auto",),        # prefill_attention.cpp
-    "native step": ("auto",),           # native_decode.cpp (writes the cache too)
+    "triton": ("auto", "fp8_e4m3", "int8"),     # kernels/paged_attention.py, kernels/cache_ops.py
+    "native decode": ("auto", "fp8_e4m3", "int8"),      # decode_attention.cpp
+    "native prefill": ("auto", "fp8_e4m3", "int8"),     # prefill_attention.cpp
+    "native step": ("auto", "fp8_e4m3", "int8"),        # native_decode.cpp (writes the cache too)
     "sdpa": ("auto", "fp8_e4m3", "int8"),
 }
+# Triton has an e4m3 type from sm_89 (Ada, Hopper) on: an older GPU reads int8 caches only.
+TRITON_FP8_MIN_CAPABILITY = (8, 9)
 
 
-def kv_dtype_problem(kernel: str, kv_cache_dtype: str) -> str | None:
-    """Why `kernel` cannot read a cache of `kv_cache_dtype`, naming what it reads, or None."""
+def kv_dtype_problem(kernel: str, kv_cache_dtype: str, device: torch.device | None = None) -> str | None:
+    """Why `kernel` cannot read a cache of `kv_cache_dtype` (on `device`), naming what it reads, or None."""
     reads = KERNEL_KV_DTYPES[kernel]
+    if kernel == "triton" and kv_cache_dtype == "fp8_e4m3" and device is not None and device.type == "cuda" \
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < TRITON_FP8_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        reads = tuple(r for r in reads if r != "fp8_e4m3")
+        return (f"the triton kernel reads kv_cache_dtype 'fp8_e4m3' from sm_89 on (this GPU is sm_{major}{minor}), "
+                f"so {' or '.join(map(repr, reads))} only")
     if kv_cache_dtype in reads:
         return None
     return f"the {kernel} kernel reads kv_cache_dtype {' or '.join(map(repr, reads))} only, not {kv_cache_dtype!r}"
@@ -139,7 +147,7 @@ def decide_backend(device: torch.device | str, requested: str | None = None, kv_
     if choice not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {choice!r}")
     device = torch.device(device)
-    kv_problem = kv_dtype_problem("triton", kv_cache_dtype)
+    kv_problem = kv_dtype_problem("triton", kv_cache_dtype, device)
     if choice == "triton" and kv_problem:
         raise ValueError(f"attention_backend='triton' cannot run here: {kv_problem}; "
                          f"use attention_backend='torch' (reads {', '.join(KERNEL_KV_DTYPES['sdpa'])}) or kv_cache_dtype='auto'")

@@ -55,10 +55,19 @@ def problem(device: torch.device, backend: str, dtype: torch.dtype, head_dim: in
 
 
 def attend(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
-           window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+           window: int | None, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`q [n, heads, d]` over `k/v [L, kv_heads, d]`: query i sees key j when j <= i + offset
-    (and j > i + offset - window). Returns (out [n, heads, d], lse [heads, n] float32)."""
-    return module.attend(q, k, v, scale, offset, window or 0)
+    (and j > i + offset - window). Returns (out [n, heads, d], lse [heads, n] float32). k/v may
+    be a quantized cache's int8 / float8_e4m3fn codes with their fp16 scales `[L, kv_heads]`:
+    the kernel dequantizes them as it packs its key and value blocks."""
+    return module.attend(q, k, v, scale, offset, window or 0, k_scale, v_scale)
+
+
+def _scales(chunk: PrefillChunk, scale: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """A quantized cache's scales `[blocks, block_size, kv_heads]` for the chunk's blocks lo .. hi - 1,
+    as `[(hi - lo) * block_size, kv_heads]` (None for a cache in the model's dtype)."""
+    return None if scale is None else chunk.keys(scale.unsqueeze(-1), lo, hi).squeeze(-1)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
@@ -70,7 +79,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     `out` (`[T, heads, d]`, new when None) with each chunk's rows filled. `new_k`/`new_v` (this
     step's keys and values) let a chunk read its own keys in place instead of gathering them
     back; only the prefix before a chunk is read from the blocks (a quantized cache's with its
-    scales `k_scale`/`v_scale`, dequantized; SDPA only: the plan picks no kernel for it)."""
+    scales `k_scale`/`v_scale`: dequantized as gathered for SDPA, by the kernel as it packs them)."""
     out = torch.empty_like(query) if out is None else out
     kernel = meta.prefill_kernel if softcap is None else None
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -86,7 +95,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                else v_scale.reshape(-1, kvh)[slots], query.dtype)
         cut = window if window is not None and chunk.ctx_len > window else None
         if kernel is not None:
-            out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut)
+            out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut,
+                                         k_scale, v_scale)
         else:
             out[s:s + n] = _sdpa_chunk(query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut, softcap,
                                        k_scale, v_scale)
@@ -94,10 +104,12 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A prefill chunk through the C++ kernel: its own keys causally, then (if the chunk follows a
     prefix) the prefix's keys read where they lie, the two parts merged by their log-sum-exps.
-    Under a sliding window only the prefix blocks some query of the chunk can see are read."""
+    Under a sliding window only the prefix blocks some query of the chunk can see are read. A
+    quantized cache's prefix goes to the kernel as codes with its scales (own keys come dequantized)."""
     n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
     start = ctx - n
     o, lse = attend(kernel, q, own_k, own_v, scale, 0, window)
@@ -108,7 +120,8 @@ def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Ten
     hi = -(-start // bs)
     pk = chunk.keys(k_cache, lo // bs, hi)[:start - lo]
     pv = chunk.keys(v_cache, lo // bs, hi)[:start - lo]
-    o1, lse1 = attend(kernel, q, pk, pv, scale, start - lo, window)
+    ks, vs = (None if c is None else _scales(chunk, c, lo // bs, hi)[:start - lo] for c in (k_scale, v_scale))
+    o1, lse1 = attend(kernel, q, pk, pv, scale, start - lo, window, ks, vs)
     return merge_by_lse(o1, lse1.t(), o, lse.t())       # the kernel's lse is [heads, n]
 
 

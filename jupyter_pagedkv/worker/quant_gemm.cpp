@@ -8,7 +8,9 @@
 // Activations stay fp32 and are never quantized: the result is the dequantized model's GEMM up to
 // the rounding of fp32 sums (the generic variant multiplies the dequantized weights; the AVX2 one
 // factors each block's scale and offset out of its dot product). Few rows (decode) stream the blocks;
-// many rows (prefill) dequantize the weight once into fp32 and run ATen's GEMM.
+// many rows (prefill, batched decode) dequantize the weight a tile of output features at a time into
+// a cache-sized fp32 scratch and run ATen's GEMM on each tile, so the fp32 weight never exists whole
+// (writing it out to memory and reading it back cost more than the GEMM itself: see quant_linear.py).
 #include "quant_gemm.h"
 
 #include <ATen/Parallel.h>
@@ -51,6 +53,10 @@ inline void dequant_block(int64_t kind, const uint8_t* b, float* w) {
     w[j + 16] = std::fma(static_cast<float>(q[j] >> 4), d, m);
   }
 }
+
+// One block's 32 weights into w with AVX2: the same fused d * q + m (or d * q) as dequant_block, so the
+// two variants give the same bits.
+__attribute__((target("avx2,fma,f16c"))) inline void dequant_block_avx2(int64_t kind, const uint8_t* b, float* w);
 
 struct Args {
   const float* x;        // [rows, k]
@@ -142,16 +148,76 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Args& a, int64_t b
   }
 }
 
+__attribute__((target("avx2,fma,f16c"))) inline void dequant_block_avx2(int64_t kind, const uint8_t* b, float* w) {
+  __m256 q[4];
+  quants_avx2(kind, b, q);
+  const float ds = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+  const __m256 d = _mm256_set1_ps(ds);
+  if (kind == kQ8_0) {
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + 8 * i, _mm256_mul_ps(q[i], d));
+    return;
+  }
+  const __m256 m = _mm256_set1_ps(kind == kQ4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2)) : -8.0f * ds);
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + 8 * i, _mm256_fmadd_ps(q[i], d, m));
+}
+
 enum class Isa { kAuto, kAvx2, kGeneric };
 
 using RowsFn = void (*)(const Args&, int64_t, int64_t);
 
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
 RowsFn pick(Isa isa) {
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  if ((isa == Isa::kAuto || isa == Isa::kAvx2) && avx2) return &rows_avx2;
+  if ((isa == Isa::kAuto || isa == Isa::kAvx2) && has_avx2()) return &rows_avx2;
   TORCH_CHECK(isa != Isa::kAvx2, "quant_gemm: this CPU has no AVX2/FMA/F16C");
   return &rows_generic;
+}
+
+// Rows [begin, end) of the fp32 weight into `out` (row stride k).
+void dequant_rows(const uint8_t* w, int64_t kind, int64_t k, int64_t row_bytes, int64_t begin, int64_t end,
+                  float* out, bool avx2) {
+  const int64_t nb = k / 32, bb = block_bytes(kind);
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + r * row_bytes + b * bb;
+      float* o = out + (r - begin) * k + b * 32;
+      if (avx2) dequant_block_avx2(kind, blk, o); else dequant_block(kind, blk, o);
+    }
+}
+
+// Output features per dequantized tile: its fp32 scratch about the size of the activations (so
+// neither is re-read much more than the other) and at least ~256 KiB (a GEMM call's overhead is
+// then small), with at least two tiles per thread so both cores stay busy; a multiple of 16.
+int64_t tile_features(int64_t rows, int64_t n, int64_t k) {
+  int64_t t = std::max<int64_t>(65536 / k, rows);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  t = std::min<int64_t>(t, (n + 2 * threads - 1) / (2 * threads));
+  t = std::max<int64_t>(16, (t + 15) / 16 * 16);
+  return std::min<int64_t>(t, n);
+}
+
+// x2 [rows, k] @ W^T, W dequantized one tile of output features at a time into a per-thread fp32
+// scratch that stays in cache; each tile's GEMM writes its columns of `out` in place.
+at::Tensor tiled_dense(const at::Tensor& x2, const at::Tensor& blocks, int64_t kind, int64_t k, bool avx2) {
+  const int64_t rows = x2.size(0), n = blocks.size(0), rb = blocks.size(1);
+  const int64_t tile = tile_features(rows, n, k), tiles = (n + tile - 1) / tile;
+  auto out = at::empty({rows, n}, x2.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // Worker threads do not inherit the caller's inference mode; without it they may not write
+    // `out` when the caller created it under inference mode. Nothing here is differentiated.
+    c10::InferenceMode guard;
+    auto scratch = at::empty({tile, k}, at::kFloat);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t o0 = t * tile, nt = std::min<int64_t>(tile, n - o0);
+      dequant_rows(w, kind, k, rb, o0, o0 + nt, scratch.data_ptr<float>(), avx2);
+      auto cols = out.narrow(1, o0, nt);            // strided view: BLAS writes it with ldc = n
+      at::mm_out(cols, x2, scratch.narrow(0, 0, nt).t());
+    }
+  });
+  return out;
 }
 
 void check(const at::Tensor& blocks, int64_t kind, int64_t k) {
@@ -166,13 +232,13 @@ void check(const at::Tensor& blocks, int64_t kind, int64_t k) {
 // The plain fp32 [out, k] weight of packed `blocks`, exactly as the GEMMs below see it.
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
   check(blocks, kind, k);
-  const int64_t n = blocks.size(0), nb = k / 32, bb = block_bytes(kind), rb = blocks.size(1);
+  const int64_t n = blocks.size(0), rb = blocks.size(1);
   auto out = at::empty({n, k}, at::kFloat);
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
+  const bool avx2 = has_avx2();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t b = 0; b < nb; ++b) dequant_block(kind, w + r * rb + b * bb, o + r * k + b * 32);
+    dequant_rows(w, kind, k, rb, begin, end, o + begin * k, avx2);
   });
   return out;
 }
@@ -191,9 +257,11 @@ at::Tensor quant_linear_isa(const at::Tensor& x, const at::Tensor& blocks, int64
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   if (dense_from_rows > 0 && rows >= dense_from_rows) {
-    // Prefill: dequantizing once and one GEMM beats re-reading the blocks per row tile.
-    auto w = quant_dequantize(blocks, kind, k);
-    auto y = bias.has_value() ? at::addmm(*bias, x2, w.t()) : at::mm(x2, w.t());
+    // Prefill: dequantizing each weight once per call and ATen's GEMM beat re-reading the blocks
+    // per row tile; a cache-sized tile at a time beats the whole fp32 weight written out and read back.
+    pick(isa);   // the same refusal as below when an absent ISA is forced
+    auto y = tiled_dense(x2, blocks, kind, k, isa != Isa::kGeneric && has_avx2());
+    if (bias.has_value()) y.add_(*bias);
     return y.view(shape);
   }
   auto out = at::empty({rows, n}, x.options());

@@ -92,3 +92,33 @@ def test_json_assembly_has_stable_keys_and_serialises():
     assert any(line.startswith("| float32 | 2048 |") and line.endswith("| 150, 300 | 100, 100 |")
                for line in report.long_table(doc["long_prompt"]))
     assert any(line.startswith("| float32 |") for line in report.step_table(doc["step"], doc["gemm"]))
+
+
+def test_shape_rows_pair_rounds_and_the_minimum_names_its_shape():
+    # ours: 100 tokens in 1 s, 2 s; vLLM: 100 tokens in 2 s, 2 s -> 2.0x, 1.0x, median 1.5x
+    a = report.shape_row("0:short-shared-8", 8, 100, [1.0, 2.0], 100, [2.0, 2.0])
+    assert a["ours_over_per_round"] == [2.0, 1.0] and a["ours_over"] == 1.5
+    assert a["ours_tokens_per_s"] == pytest.approx(100 / 1.5) and a["peer_tokens_per_s"] == 50.0
+    b = report.shape_row("1:long-distinct-64", 64, 900, [3.0], 900, [4.0])
+    assert report.minimum_ratio([a, b]) == (4.0 / 3.0, "1:long-distinct-64")
+    table = report.shapes_table([a, b], "vLLM CPU")
+    assert table[2] == "| 0:short-shared-8 | 8 | 100 | 66.7 | 50.0 | 2.00x, 1.00x | 1.50x |"
+    # no peer measured: no ratio, no minimum
+    lone = report.shape_row("0:short-shared-8", 8, 100, [1.0], None, [])
+    assert lone["ours_over"] is None and report.minimum_ratio([lone]) is None
+
+
+def test_the_vllm_peer_reads_one_request_list_or_named_workloads(tmp_path):
+    from jupyter_pagedkv.bench import peer_vllm
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps([{"prompt_token_ids": [1, 2], "max_tokens": 3}]))
+    assert peer_vllm.load_workloads(str(one)) is None and len(peer_vllm.load_requests(str(one))) == 1
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps({"workloads": {"a": [{"prompt_token_ids": [1], "max_tokens": 2}],
+                                              "b": [{"prompt_token_ids": [3], "max_tokens": 4}] * 2}}))
+    sets = peer_vllm.load_workloads(str(many))
+    assert list(sets) == ["a", "b"] and len(sets["b"]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"workloads": {"a": [{"prompt_token_ids": [], "max_tokens": 2}]}}))
+    with pytest.raises(SystemExit, match="needs prompt_token_ids"):
+        peer_vllm.load_workloads(str(bad))

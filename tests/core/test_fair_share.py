@@ -118,7 +118,7 @@ def test_a_tenant_under_its_share_is_let_in_at_once():
     assert waited_fcfs > 50      # FCFS: behind every noisy request that arrived first
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+@pytest.mark.parametrize("policy", ["fcfs", "fair", "priority"])
 def test_max_blocks_is_a_hard_cap_and_only_its_tenant_waits(policy):
     rng = random.Random(11)
     pool = BlockPool(96, 4)

@@ -79,3 +79,30 @@ def test_copy_on_write_never_changes_a_siblings_kv(make_engine):
         assert torch.equal(engine._kv_cache.k[:, t, :3], k0[:, 6, :3])
         assert torch.equal(engine._kv_cache.v[:, t, :3], v0[:, 6, :3])
     engine.abort(rid)
+
+
+def test_each_sample_and_beam_takes_a_seat_of_max_num_seqs(make_engine):
+    """n=4 requests under max_num_seqs=6: one group of 4 runs at a time (4 + 4 > 6), never more than
+    6 sequences, and each group's outputs are the ones it gets alone; the same for beam_width=3."""
+    from jupyter_pagedkv import BeamSearchParams
+    engine = make_engine(MODEL, block_size=4, max_num_seqs=6)
+    params = SamplingParams(n=4, max_tokens=6, temperature=0.9, seed=5, ignore_eos=True)
+    prompts = [PROMPT[i:] for i in range(3)]
+    for p in prompts:
+        engine.add_request(p, params)
+    most, finished = 0, []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+        most = max(most, engine.stats().num_running)
+    assert 4 <= most <= 6
+    alone = make_engine(MODEL, block_size=4).generate(prompts, params)
+    by_prompt = {tuple(o.prompt_token_ids): [s.token_ids for s in o.outputs] for o in finished}
+    assert [by_prompt[tuple(p)] for p in prompts] == [[s.token_ids for s in o.outputs] for o in alone]
+    beams = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, beams)
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, engine.stats().num_running)
+    assert 3 <= most <= 6

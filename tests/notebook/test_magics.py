@@ -377,6 +377,20 @@ def test_second_chat_turn_hits_the_first_turn_in_the_prefix_cache(ip, capsys):
     assert "TTFT" in printed and "tok/s" in printed
 
 
+def test_why_explains_a_request_and_a_chat_turn_that_recomputed_what_was_cached(ip, capsys):
+    run(ip, "%%chat why --max-tokens 8\nMy name is Ada and I like prime numbers. Remember that.")
+    capsys.readouterr()
+    run(ip, "%pagedkv why")                                     # the last request: that turn
+    assert "prompt blocks hit the prefix cache" in capsys.readouterr().out
+    run(ip, "%pagedkv reset-cache")
+    run(ip, "%%chat why --max-tokens 4 --out two\nWhat is my name?")
+    printed = capsys.readouterr().out
+    report = current().engine.why(ip.user_ns["two"].request_id)
+    assert report.num_reusable > 1 and report.line() in printed and "reset_prefix_cache()" in printed
+    with pytest.raises(UsageError, match="no request 'nope'"):
+        run(ip, "%pagedkv why nope")
+
+
 def test_chat_sessions_are_separate_and_listed(ip, capsys):
     run(ip, "%%chat alpha --max-tokens 4\nHello.")
     run(ip, "%%chat beta --max-tokens 4\nBonjour.")

@@ -134,20 +134,22 @@ def test_generate_magic_sends_the_tenant_or_says_in_one_line_why_it_cannot(fake,
     ip.run_line_magic("pagedkv", "disconnect")
 
 
-def test_a_server_refuses_tenant_weights_and_block_tables_in_one_line_that_says_what_to_do(vllm, magic_shell):
+def test_a_server_refuses_tenant_weights_block_tables_and_why_in_one_line_that_says_what_to_do(vllm, magic_shell):
     """The server client implements the whole EngineClient: what a server cannot give is refused
     as the user's one-line mistake (a ValueError), never faked, and the magic shows that line."""
     from IPython.core.error import UsageError
 
     _, url = vllm
     client = Engine.connect(url)
-    for call in (lambda: client.set_tenant("alice", weight=2), client.block_tables):
+    for call in (lambda: client.set_tenant("alice", weight=2), client.block_tables, client.why):
         with pytest.raises(UnsupportedByServer, match=r"%pagedkv disconnect") as err:
             call()
         assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
     magic_shell.run_line_magic("pagedkv", f"connect {url}")
     with pytest.raises(UsageError, match="takes no tenant weights or caps"):
         magic_shell.run_line_magic("pagedkv", "tenant alice --weight 2")
+    with pytest.raises(UsageError, match="why a prompt missed is not available from a server"):
+        magic_shell.run_line_magic("pagedkv", "why")
     magic_shell.run_line_magic("pagedkv", "disconnect")
 
 

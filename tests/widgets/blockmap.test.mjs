@@ -13,6 +13,7 @@ import {
   STRIPE,
   applyFrame,
   createStore,
+  describe,
   drawBlocks,
   gaugeRows,
   layout,
@@ -544,4 +545,21 @@ test("the sparkline says what it plots, over which window, and its current and p
   for (let seq = 0; seq < 300; seq++) store.history.push(seq === 10 ? 0.9 : 0.02);
   store.history.splice(0, 60);
   assert.match(sparkLabel(store.history), /^KV usage over the last 240 updates .*: 2\.0% now, peak 2\.0%$/);
+});
+
+test("the hover names a request's prefix-cache report: full frames set them, diffs add new ones", () => {
+  const store = createStore();
+  const full = fullFrame({ seq: 1, states: ["used", "free", "free", "free", "free", "free", "free", "free"],
+    owners: { 0: ["req-0"] } });
+  full.why = { "req-0": "req-0: 0 of 1 prompt blocks hit the prefix cache" };
+  assert.equal(applyFrame(store, full), "ok");
+  const one = layout(8, 640, 220);
+  assert.equal(one.group, 1);
+  assert.equal(describe(store, one, 0).why, "req-0: 0 of 1 prompt blocks hit the prefix cache");
+  assert.equal(describe(store, one, 1).why, "");                 // a free block: nobody to explain
+  const diff = diffFrame({ seq: 2, prev: 1, changes: [[1, "used", 1]], owners: { 1: ["req-1"] } });
+  diff.why = { "req-1": "req-1: 2 of 3 prompt blocks hit the prefix cache: block 2 partial" };
+  assert.equal(applyFrame(store, diff), "ok");
+  assert.match(describe(store, one, 1).why, /block 2 partial/);
+  assert.match(describe(store, one, 0).why, /req-0/);            // a diff keeps what it did not name
 });

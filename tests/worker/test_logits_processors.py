@@ -216,6 +216,8 @@ def test_bad_words_as_text_stop_strings_kept_and_special_tokens_shown(make_engin
 
 @pytest.mark.parametrize("params,message", [
     (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=-1.2), "repetition_penalty must be a finite number > 0"),
+    (dict(presence_penalty=-2.5), "presence_penalty must be in [-2, 2]"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
     (dict(frequency_penalty=-3), "frequency_penalty must be in [-2, 2]"),

@@ -26,7 +26,7 @@ export function mount(el, opts = {}) {
   const root = doc.createElement("div");
   root.className = "pkv-root";
   root.innerHTML = `<div class="pkv-title"></div><div class="pkv-bar"></div><div class="pkv-gauges"></div>
-    <div class="pkv-tenants"></div><canvas class="pkv-blocks"></canvas><div class="pkv-hover"></div>
+    <div class="pkv-tenants"></div><canvas class="pkv-blocks"></canvas><div class="pkv-hover"></div><div class="pkv-why"></div>
     <div class="pkv-spark-row"><canvas class="pkv-spark" width="240" height="28" role="img"></canvas><span
     class="pkv-spark-label"></span></div><div class="pkv-keys"><span class="pkv-mode"
     role="group" aria-label="colour blocks by">colour by <button type="button" data-mode="state">state</button><button
@@ -35,7 +35,7 @@ export function mount(el, opts = {}) {
   const q = (sel) => root.querySelector(sel);
   const title = q(".pkv-title"), bar = q(".pkv-bar"), gauges = q(".pkv-gauges");
   const blocks = q(".pkv-blocks"), hover = q(".pkv-hover"), spark = q(".pkv-spark"), legend = q(".pkv-legend");
-  const sparkText = q(".pkv-spark-label");
+  const sparkText = q(".pkv-spark-label"), whyBox = q(".pkv-why");
   const tenantBox = q(".pkv-tenants"), modeBox = q(".pkv-mode");
   let mode = MODES.includes(opts.mode) ? opts.mode : "state";
   title.textContent = opts.title || "KV cache";
@@ -121,6 +121,7 @@ export function mount(el, opts = {}) {
     const row = Math.floor((ev.clientY - r.top) / lay.cell);
     const d = describe(store, lay, col >= 0 && col < lay.cols ? row * lay.cols + col : -1);
     hover.textContent = d.text;
+    whyBox.textContent = d.why;   // why the hovered request's prompt hit the prefix cache or not
     const next = new Set();
     if (d.owner) for (const [b, owners] of store.owners) if (owners.includes(d.owner)) next.add(b);
     if (next.size || (highlight && highlight.size)) {
@@ -130,6 +131,7 @@ export function mount(el, opts = {}) {
   });
   blocks.addEventListener("mouseleave", () => {
     hover.textContent = "";
+    whyBox.textContent = "";
     highlight = null;
     schedule();
   });

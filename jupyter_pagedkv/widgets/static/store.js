@@ -2,7 +2,9 @@
 // jupyter_pagedkv/monitor/feed.py fold into. A full frame replaces the picture; a diff (`prev` =
 // the seq it applies on) carries parallel arrays ids (uint32), codes (uint8, index into `legend`)
 // and refs (uint8, ref count capped at 255) for the blocks that changed, and `owners` / `tenants`
-// ({block: [request ids]}, {block: [tenant names]}) for those of them in use.
+// ({block: [request ids]}, {block: [tenant names]}) for those of them in use. `why` ({request id:
+// text}) says why a request's prompt missed the prefix cache: every owner's in a full frame, the
+// newly seen ones in a diff; the hover shows it.
 
 // How many gauge readings the sparkline keeps.
 export const HISTORY = 240;
@@ -24,7 +26,8 @@ export function u32Of(x) {
 export function createStore() {
   return {
     seq: -1, numBlocks: 0, blockSize: 0, legend: [], codes: new Uint8Array(0),
-    refs: new Uint8Array(0), owners: new Map(), tenants: new Map(), gauges: null, history: [], closed: false,
+    refs: new Uint8Array(0), owners: new Map(), tenants: new Map(), why: new Map(), gauges: null, history: [],
+    closed: false,
   };
 }
 
@@ -49,6 +52,7 @@ export function applyFrame(store, frame) {
     store.refs = bytesOf(frame.refs).slice();
     store.owners = new Map(Object.entries(frame.owners || {}).map(([k, v]) => [Number(k), v]));
     store.tenants = new Map(Object.entries(frame.tenants || {}).map(([k, v]) => [Number(k), v]));
+    store.why = new Map(Object.entries(frame.why || {}));
     store.gauges = frame.gauges;
     store.history = (frame.history || []).slice(-HISTORY);
     store.seq = frame.seq;
@@ -69,6 +73,12 @@ export function applyFrame(store, frame) {
       if (v.length) store[key].set(Number(k), v);
       else store[key].delete(Number(k));
     }
+  }
+  for (const [rid, text] of Object.entries(frame.why || {})) store.why.set(rid, text);
+  if (store.why.size > 1024) {
+    // Keep the reports of requests still holding blocks (what a hover can reach).
+    const live = new Set([...store.owners.values()].flat());
+    for (const rid of [...store.why.keys()]) if (!live.has(rid)) store.why.delete(rid);
   }
   store.legend = frame.legend.slice();
   store.gauges = frame.gauges;

@@ -79,6 +79,7 @@ export const STYLE = `
 .pkv-legend { display: flex; flex-wrap: wrap; gap: 2px 10px; margin-top: 4px; }
 .pkv-legend i { display: inline-block; width: 10px; height: 10px; margin-right: 3px; vertical-align: -1px; }
 .pkv-hover { min-height: 1.4em; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.pkv-why { color: var(--jp-ui-font-color2, currentColor); }
 .pkv-note { font-style: italic; }
 .pkv-spark-row { display: flex; flex-wrap: wrap; align-items: center; gap: 2px 8px; margin-top: 4px; }
 .pkv-spark-label { color: var(--jp-ui-font-color2, currentColor); }
@@ -137,7 +138,7 @@ export function ensureStyle(doc) {
 
 export function describe(store, lay, cellIndex) {
   const start = cellIndex * lay.group;
-  if (!(start >= 0 && start < store.numBlocks)) return { text: "", owner: null };
+  if (!(start >= 0 && start < store.numBlocks)) return { text: "", owner: null, why: "" };
   if (lay.group === 1) {
     const state = store.legend[store.codes[start]];
     const ref = store.refs[start];
@@ -146,7 +147,8 @@ export function describe(store, lay, cellIndex) {
     const who = owners.length ? ` — ${owners.join(", ")}` : "";
     const tenants = store.tenants.get(start) || [];
     const whose = tenants.length ? ` · tenant${tenants.length > 1 ? "s" : ""} ${tenants.join(", ")}` : "";
-    return { text: `block ${start}: ${state}${refText}${whose}${who}`, owner: owners[0] || null };
+    const why = owners.length ? store.why.get(owners[0]) || "" : "";
+    return { text: `block ${start}: ${state}${refText}${whose}${who}`, owner: owners[0] || null, why };
   }
   const end = Math.min(store.numBlocks, start + lay.group);
   const counts = new Map();
@@ -155,6 +157,6 @@ export function describe(store, lay, cellIndex) {
     counts.set(s, (counts.get(s) || 0) + 1);
   }
   const parts = [...counts.entries()].sort((a, b) => b[1] - a[1]).map(([s, k]) => `${k} ${s}`);
-  return { text: `blocks ${start}–${end - 1}: ${parts.join(", ")}`, owner: null };
+  return { text: `blocks ${start}–${end - 1}: ${parts.join(", ")}`, owner: null, why: "" };
 }
 
