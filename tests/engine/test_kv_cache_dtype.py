@@ -73,6 +73,8 @@ def test_prefix_hits_and_forks_read_the_same_quantized_blocks(make_engine, kind)
     first = engine.generate(prompts[:1], GREEDY)[0].token_ids
     again = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, n=2))
     assert engine.stats().prefix_cache_hits > 0
+    info = engine.info()        # 2 layers x 2 KV heads x 2 (K, V) x (64 bytes + a 2-byte scale)
+    assert info.kv_phrase == "KV int8, 528 bytes per token" and " in int8 with a float16 scale" in info.summary
     assert [first, first] == [c.token_ids for c in again[0].outputs]     # a fork: two copies, CoW
     assert [first] + [again[1].outputs[0].token_ids] == [reference(kind, p) for p in prompts]
 
