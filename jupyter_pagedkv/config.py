@@ -80,6 +80,10 @@ class EngineConfig:
     kv_cache_memory: str | int | None = option(
         None, "KV memory instead of a block count, e.g. 512MiB (CPU default 1GiB; CUDA 90 percent of "
               "the memory free after the weights, less 1 GiB for activations)", metavar="SIZE")
+    kv_cache_dtype: str = option(
+        "auto", "how K and V are stored: auto = the model's dtype (exact); fp8_e4m3 or int8 = one byte per "
+                "element with a float16 scale per token and KV head, about twice the blocks in the same "
+                "memory (bench kvquant measures the cost)", choices=("auto", "fp8_e4m3", "int8"))
     max_num_seqs: int = option(64, "most sequences running at once", metavar="N")
     max_num_batched_tokens: int = option(2048, "most tokens computed in one step", metavar="N")
     enable_prefix_caching: bool = option(True, "reuse cached prompt prefixes",

@@ -39,25 +39,41 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Store `key`/`value [T, kv_heads, head_dim]` at flat slots `slot_mapping [T]` (-1 skips).
 
     Slot s is position s % block_size of block s // block_size. Inputs may be strided along
     tokens and heads (e.g. a transposed view); the last dimension must be contiguous. Like the
-    torch path (`index_copy_`), rows must already have the cache's dtype.
+    torch path (`index_copy_`), rows must already have the cache's dtype, unless the cache is
+    quantized (int8 / float8_e4m3fn codes with `k_scale`/`v_scale`, fp16 `[blocks, block_size,
+    kv_heads]`): then each row is quantized per KV head as it is stored (docs/design.md).
     """
     if key.shape[0] == 0:
         return
-    write_kv_launch(k_cache, v_cache, key, value, slot_mapping).run()
+    write_kv_launch(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale).run()
 
 
 def write_kv_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, slot_mapping: torch.Tensor) -> KernelLaunch:
+                    value: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> KernelLaunch:
     """The one launch `write_kv` makes, argument for argument (also built on meta tensors)."""
     num_tokens, kv_heads, head_dim = key.shape
     block_size = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert key.stride(-1) == 1 and value.stride(-1) == 1
+    if k_cache.dtype in QUANT_LIMIT:
+        assert k_scale is not None and v_scale is not None and k_scale.stride() == v_scale.stride()
+        assert k_scale.dtype == torch.float16 and k_scale.stride(-1) == 1 and key.dtype == value.dtype
+        return KernelLaunch(
+            _write_kv_quant_kernel, (num_tokens,),
+            (key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale.stride(0), k_scale.stride(1)),
+            dict(KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(kv_heads),
+                 DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+                 LIMIT=QUANT_LIMIT[k_cache.dtype], INT8=k_cache.dtype == torch.int8),
+            dict(num_warps=4))
     assert key.dtype == value.dtype == k_cache.dtype, "K/V must already be in the cache dtype"
     return KernelLaunch(
         _write_kv_kernel, (num_tokens,),
@@ -67,6 +83,72 @@ def write_kv_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Ten
         dict(KV_HEADS=kv_heads, HEAD_DIM=head_dim,
              BLOCK=triton.next_power_of_2(kv_heads * head_dim), BLOCK_SIZE=block_size),
         dict(num_warps=4))
+
+
+# Quantized caches (kv_cache_dtype "int8" / "fp8_e4m3"): the largest code, and the torch dtypes.
+QUANT_LIMIT = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# 1.5 * 2**23: adding and taking it away rounds an fp32 to an integer, half to even (a constexpr:
+# the compiler reads no other globals)
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """`y` (|y| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: Triton
+    3.9's interpreter mis-rounds an fp32 -> fp8 cast whose mantissa carries into the exponent
+    (124.98 -> 64), so the kernel rounds first and the cast is exact everywhere. Normal values keep
+    3 mantissa bits (the carry rounds into the exponent as it should); below 2**-6 the grid is 2**-9."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF).to(tl.float32, bitcast=True)
+    tiny = (tl.abs(y) + 24576.0) - 24576.0    # 1.5 * 2**14: rounds to multiples of 2**-9
+    tiny = (tiny.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign (-0 too)
+    return tl.where(tl.abs(y) < 0.015625, tiny, normal)
+
+
+@triton.jit
+def _quantize_rows(x, LIMIT: tl.constexpr, INT8: tl.constexpr):
+    """`x [heads, d]` (fp32) -> (codes, fp16 scales [heads]): scale = amax / LIMIT kept within
+    float16's normal range (a row of zeros gets the smallest normal, 2**-14), codes = x / scale
+    clamped to +-LIMIT, rounded half to even (int8) or to the e4m3 grid: worker/kv_quant.py's
+    `quantize`, op for op."""
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.minimum(tl.maximum(amax / LIMIT, 6.103515625e-05), 65504.0).to(tl.float16)
+    y = x / scale.to(tl.float32)[:, None]
+    y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
+    if INT8:
+        codes = ((y + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
+    else:
+        codes = _round_e4m3(y).to(tl.float8e4nv)
+    return codes, scale
+
+
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
+def _write_kv_quant_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                           slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                           stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+                           KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                           DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr,
+                           INT8: tl.constexpr):
+    """One program per token: quantize its key and value per KV head and store codes and scales."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    head = tl.arange(0, HEADS_PAD)
+    dim = tl.arange(0, DIM_PAD)
+    ok = (head < KV_HEADS)[:, None] & (dim < HEAD_DIM)[None, :]
+    dst = block * stride_cb + offset * stride_cs + head[:, None] * stride_ch + dim[None, :]
+    at = block * stride_sb + offset * stride_ss + head
+    k = tl.load(key_ptr + token * stride_kt + head[:, None] * stride_kh + dim[None, :], mask=ok, other=0.0)
+    codes, scale = _quantize_rows(k.to(tl.float32), LIMIT, INT8)
+    tl.store(k_cache_ptr + dst, codes, mask=ok)
+    tl.store(k_scale_ptr + at, scale, mask=head < KV_HEADS)
+    v = tl.load(value_ptr + token * stride_vt + head[:, None] * stride_vh + dim[None, :], mask=ok, other=0.0)
+    codes, scale = _quantize_rows(v.to(tl.float32), LIMIT, INT8)
+    tl.store(v_cache_ptr + dst, codes, mask=ok)
+    tl.store(v_scale_ptr + at, scale, mask=head < KV_HEADS)
 
 
 @triton.jit(do_not_specialize_on_alignment=["pairs_ptr"])

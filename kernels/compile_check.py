@@ -38,6 +38,16 @@ from .variants import AttentionShape, model_launches
 SHARED_LIMIT = {90: 232448, 80: 166912}
 SMS = {90: 132, 80: 108}                    # H200/H100 SXM, A100: SM counts for the split heuristic
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# kv_cache_dtype -> the cache's storage dtype ("auto": the compute dtype's own)
+KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+QUANTIZED = ("fp8_e4m3", "int8")
+FP8_MIN_ARCH = 89      # Triton's fp8e4nv (e4m3) exists from sm_89 (Ada, Hopper); sm_80 has no e4m3 type
+
+
+def compiles_on(shape: AttentionShape, arch: int) -> bool:
+    """Whether `shape`'s kernels exist for sm_`arch`: an fp8 e4m3 cache only from sm_89 (the engine
+    refuses kv_cache_dtype="fp8_e4m3" with the Triton backend below it; int8 runs everywhere)."""
+    return shape.kv_dtype != torch.float8_e4m3fn or arch >= FP8_MIN_ARCH
 
 
 @dataclass(frozen=True)
@@ -51,10 +61,11 @@ class Model:
     context: int
     dtypes: tuple[str, ...] = ("bf16",)
     block_sizes: tuple[int, ...] = (16,)
+    kv_dtypes: tuple[str, ...] = ("auto",)
 
     def shapes(self) -> list[AttentionShape]:
-        return [AttentionShape(self.heads, self.kv_heads, self.head_dim, DTYPES[d], bs, self.window)
-                for d in self.dtypes for bs in self.block_sizes]
+        return [AttentionShape(self.heads, self.kv_heads, self.head_dim, DTYPES[d], bs, self.window, KV_DTYPES[kv])
+                for d in self.dtypes for bs in self.block_sizes for kv in self.kv_dtypes]
 
 
 ALL_DTYPES = tuple(DTYPES)
@@ -72,13 +83,18 @@ GPU_CHECK = (Model("tiny (head 16)", 4, 2, 16, None, 512, ("fp32",)),
              Model("tiny gqa64", 6, 2, 64, None, 512, ("fp32",)),
              Model("tiny gqa64 window 48", 6, 2, 64, 48, 512, ("fp32",)),
              Model("SmolLM2-135M", 9, 3, 64, None, 8192, ("fp32", "bf16")),
-             Model("Llama-3-8B", 32, 8, 128, None, 8192, ("bf16",)))
+             Model("Llama-3-8B", 32, 8, 128, None, 8192, ("bf16",)),
+             # kv_cache_dtype "fp8_e4m3" / "int8": the quantized cache's write and attention kernels
+             # (bf16 only, ~25 more variants, so the quick check keeps to its 40 s; the full grid has all)
+             Model("SmolLM2-135M, quantized KV", 9, 3, 64, None, 8192, ("bf16",), kv_dtypes=QUANTIZED),
+             Model("Llama-3-8B, quantized KV", 32, 8, 128, None, 8192, ("bf16",), kv_dtypes=QUANTIZED))
 
 
 def full_models() -> tuple[Model, ...]:
-    """Heads of 64 and 128, GQA groups 1-8, block sizes 16/32, three dtypes, window on and off."""
+    """Heads of 64 and 128, GQA groups 1-8, block sizes 16/32, three dtypes, window on and off,
+    each KV cache dtype (the model's, fp8 e4m3, int8)."""
     grid = tuple(Model(f"head {d}, GQA {g}{', window' if w else ''}", kv * g, kv, d, w, 32768,
-                       ALL_DTYPES, (16, 32))
+                       ALL_DTYPES, (16, 32), tuple(KV_DTYPES))
                  for d, kv in ((64, 3), (128, 8)) for g in range(1, 9) for w in (None, 4096))
     return GPU_CHECK + grid
 
@@ -150,7 +166,9 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 def _describe(launch) -> tuple[str, str]:
     c = launch.constexprs
     dtype = str(launch.args[0].dtype).replace("torch.", "")
-    skip = {"HEAD_DIM_PAD", "PRECISION", "DOT_FP32", "MAX_SPLITS", "BLOCK", "CHUNK"}
+    if c.get("QUANT") or "INT8" in c:       # a quantized cache: its codes' dtype after the compute dtype's
+        dtype += "/" + str(launch.args[2].dtype).replace("torch.", "").replace("float8_e4m3fn", "fp8")
+    skip = {"HEAD_DIM_PAD", "PRECISION", "DOT_FP32", "MAX_SPLITS", "BLOCK", "CHUNK", "HEADS_PAD", "DIM_PAD"}
     return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in c.items()
                     if k not in skip), dtype
 
@@ -183,7 +201,7 @@ def distinct_launches(models, arch: int) -> list[tuple[object, list[str]]]:
     target = GPUTarget("cuda", arch, 32)
     seen: dict[tuple, tuple[object, list[str]]] = {}
     for model in models:
-        for shape in model.shapes():
+        for shape in (s for s in model.shapes() if compiles_on(s, arch)):
             for _, launch in model_launches(shape, "meta", interpreted=False):
                 key = _binding(launch, target)[0]
                 entry = seen.setdefault(key, (launch, []))

@@ -68,17 +68,17 @@ def _sequence_of_program(query_start_loc_ptr, pid, num_seqs, block_q):
 
 @triton.jit(do_not_specialize=_ATTENTION_RUNTIME, do_not_specialize_on_alignment=STEP_INPUTS)
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale_log2, num_seqs, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_bt, num_heads, group, block_q, num_splits, block_shift,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,10 +137,21 @@ def _paged_attention_kernel(
                     + kv_head * stride_vh + dims[None, :],
                     mask=k_ok[:, None] & dim_ok[None, :], other=0.0)          # [N, D]
         p_type = v.dtype
+        if QUANT:   # codes widen exactly to the query's dtype; each key's scale is applied in fp32
+            at = block * stride_sb + slot * stride_ss + kv_head
+            k_scale = tl.load(k_scale_ptr + at, mask=k_ok, other=0.0).to(tl.float32) * scale_log2
+            v_scale = tl.load(v_scale_ptr + at, mask=k_ok, other=0.0).to(tl.float32)
+            p_type = out_ptr.dtype.element_ty      # the query's dtype (q may be fp32 in DOT_FP32)
+            if not DOT_FP32:                        # (there the codes go to fp32 just below)
+                k = k.to(p_type)
+                v = v.to(p_type)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        if QUANT:
+            s = tl.dot(q, k, input_precision=PRECISION) * k_scale[None, :]
+        else:
+            s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
@@ -150,7 +161,11 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(p_type).to(v.dtype), v, input_precision=PRECISION)
+        if QUANT:
+            p_v = (p * v_scale[None, :]).to(p_type).to(v.dtype)
+        else:
+            p_v = p.to(p_type).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PRECISION)
         m_i = m_new
 
     store_ok = row_ok[:, None] & dim_ok[None, :]
@@ -250,11 +265,12 @@ def launch_config(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, ele
     return block_m, block_q, tile_n, num_splits
 
 
-def _num_warps(block_m: int, elem_size: int) -> int:
+def _num_warps(block_m: int, elem_size: int, head_dim: int = 64, quant: bool = False) -> int:
     """8 warps for the 64-row tile and for fp32, 4 otherwise: with 4, the compile check found
     the 64-row tile at head 128 spilling on sm_80 (48-64 bytes per thread) and the fp32 16-row
-    tile at head 128 spilling 8 bytes; with 8 neither spills on sm_80 or sm_90."""
-    return 8 if block_m >= 64 or elem_size > 2 else 4
+    tile at head 128 spilling 8 bytes; with 8 neither spills on sm_80 or sm_90. A quantized
+    cache's 16-row bf16 tile at head 128 (split, int8 codes) spilled 8 bytes on sm_90 with 4: 8."""
+    return 8 if block_m >= 64 or elem_size > 2 or (quant and head_dim > 64) else 4
 
 
 def attention_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -262,10 +278,14 @@ def attention_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, *,
                        max_seq_len: int, sliding_window: int | None = None,
                        num_splits: int | None = None, block_m: int | None = None,
-                       tile_n: int | None = None, interpreted: bool | None = None) -> list[KernelLaunch]:
+                       tile_n: int | None = None, interpreted: bool | None = None,
+                       k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> list[KernelLaunch]:
     """The launches `paged_attention` makes (attention, then the merge when split), argument for
     argument. Allocates the split partials on the query's device (a meta device allocates nothing:
-    the compile check builds these on meta tensors)."""
+    the compile check builds these on meta tensors). A quantized cache (int8 / float8_e4m3fn
+    codes) comes with its fp16 scales `[blocks, block_size, kv_heads]` (`QUANT`: the tiles' codes
+    widen to the query's dtype, each key's scale multiplies its score and its value's weight)."""
     if interpreted is None:
         interpreted = interpreting()
     num_tokens, heads, head_dim = query.shape
@@ -294,19 +314,27 @@ def attention_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_max = part_sum = out       # never touched
     head_dim_pad = triton.next_power_of_2(head_dim)
+    quant = k_cache.dtype != query.dtype
+    if quant:
+        assert k_cache.dtype in (torch.int8, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
+        assert k_scale is not None and v_scale is not None and k_scale.dtype == torch.float16
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+    else:
+        k_scale = v_scale = k_cache                # never touched
     launches = [KernelLaunch(
         _paged_attention_kernel, (grid_q, kv_heads, num_splits),
-        (out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        (out, query, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
          part_acc, part_max, part_sum,
          scale * LOG2E, num_seqs, sliding_window if use_window else 0,
          query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0,
          block_tables.stride(0), heads, group, block_q, num_splits, block_size.bit_length() - 1),
         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
              BLOCK_M=block_m, TILE_N=tile_n, SPLIT=split, USE_WINDOW=use_window,
-             PRECISION=precision, DOT_FP32=interpreted and query.dtype == torch.bfloat16),
-        dict(num_warps=_num_warps(block_m, query.element_size()), num_stages=2))]
+             PRECISION=precision, DOT_FP32=interpreted and query.dtype == torch.bfloat16, QUANT=quant),
+        dict(num_warps=_num_warps(block_m, query.element_size(), head_dim, quant), num_stages=2))]
     if split:
         launches.append(KernelLaunch(
             _merge_splits_kernel, (num_tokens, heads),
@@ -321,9 +349,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     query_start_loc: torch.Tensor, scale: float, *,
                     max_seq_len: int | None = None, sliding_window: int | None = None,
                     num_splits: int | None = None, block_m: int | None = None,
-                    tile_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    tile_n: int | None = None, out: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `query [T, heads, head_dim]` over a paged cache `[blocks, block_size, kv_heads,
-    head_dim]`; same contract as `reference.paged_attention`.
+    head_dim]`, quantized or not (`k_scale`/`v_scale`); same contract as `reference.paged_attention`.
 
     `max_seq_len` (a host int) sizes the split-K decision without a device sync; `num_splits`,
     `block_m` and `tile_n` override the heuristics (tests use them to reach every path).
@@ -343,6 +372,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for launch in attention_launches(query, k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, scale, out, max_seq_len=max_seq_len,
                                      sliding_window=sliding_window, num_splits=num_splits,
-                                     block_m=block_m, tile_n=tile_n):
+                                     block_m=block_m, tile_n=tile_n, k_scale=k_scale, v_scale=v_scale):
         launch.run()
     return out

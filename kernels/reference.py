@@ -5,19 +5,43 @@ from __future__ import annotations
 
 import torch
 
+# A quantized cache's largest code per storage dtype (kv_cache_dtype "int8" / "fp8_e4m3").
+QUANT_LIMIT = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [..., d]` -> (codes [..., d] in `dtype`, float16 scales [...]), the format's definition:
+    scale = amax / limit per row within float16's normal range (a row of zeros: 2**-14), codes =
+    x / scale clamped to +-limit, rounded half to even (int8) or cast (fp8, nearest even)."""
+    limit = QUANT_LIMIT[dtype]
+    amax = x.float().abs().amax(-1)
+    fp16 = torch.finfo(torch.float16)
+    scale = (amax / limit).clamp(fp16.tiny, fp16.max).to(torch.float16)
+    y = (x.float() / scale.float().unsqueeze(-1)).clamp(-limit, limit)
+    return (y.round() if dtype == torch.int8 else y).to(dtype), scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 values a quantized cache holds: code * its row's scale."""
+    return codes.float() * scale.float().unsqueeze(-1)
+
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The plain definition, one sequence at a time in fp32: the oracle for every faster path
     (the Triton kernel and the engine's torch path).
 
     Sequence i owns query rows [query_start_loc[i], query_start_loc[i+1]); its context has
     seq_lens[i] tokens whose KV sits in blocks block_tables[i, :]; its queries are the last
     tokens of that context. A query at position p sees keys 0 .. p, and with a sliding window
-    only those in (p - window, p] (the Hugging Face rule).
+    only those in (p - window, p] (the Hugging Face rule). A quantized cache comes with its
+    scales `[blocks, block_size, kv_heads]` and is read as its dequantized values.
     """
+    if k_scale is not None:
+        k_cache, v_cache = dequantize(k_cache, k_scale), dequantize(v_cache, v_scale)
     heads, d = query.shape[1:]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float32)
@@ -38,13 +62,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.to(query.dtype)
 
 
-def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
-    """Row by row: token t goes to position slot % block_size of block slot // block_size; -1 skips."""
+def write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Row by row: token t goes to position slot % block_size of block slot // block_size; -1 skips.
+    A quantized cache stores each row's codes and per-head scales (`quantize`)."""
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
-            k_cache[slot // block_size, slot % block_size] = key[t]
-            v_cache[slot // block_size, slot % block_size] = value[t]
+            at = (slot // block_size, slot % block_size)
+            if k_scale is None:
+                k_cache[at], v_cache[at] = key[t], value[t]
+            else:
+                k_cache[at], k_scale[at] = quantize(key[t], k_cache.dtype)
+                v_cache[at], v_scale[at] = quantize(value[t], v_cache.dtype)
 
 
 def copy_blocks(k: torch.Tensor, v: torch.Tensor, pairs) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,single,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,structured,kernels,compile,gpu,soak,architectures,dtypes} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,single,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,structured,kernels,compile,gpu,soak,architectures,dtypes,kvquant} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -41,6 +41,8 @@ def main(argv: list[str]) -> int:
         from ..gpucheck.architectures import main as run
     elif name == "dtypes":
         from .dtypes import main as run
+    elif name == "kvquant":
+        from .kvquant import main as run
     elif name == "gpu":
         from ..gpucheck.driver import main as run
     elif name == "compile":

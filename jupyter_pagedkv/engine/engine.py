@@ -72,7 +72,7 @@ class Engine(GenerationFront):
         self._vocab_size = text.vocab_size
         # The probe finds what the cache must hold (and refuses a model it cannot serve exactly).
         seen = check_servable(model, self.name)
-        spec = KVSpec(text.num_hidden_layers, seen.num_kv_heads, seen.head_dim, self.dtype)
+        spec = KVSpec(text.num_hidden_layers, seen.num_kv_heads, seen.head_dim, self.dtype, config.kv_cache_dtype)
         num_blocks = setup.num_blocks(config, spec, self.device)
         paged = config.allocator == "paged"
         # The contiguous baseline shares nothing, so it caches no prefix either.

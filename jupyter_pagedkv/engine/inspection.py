@@ -126,7 +126,8 @@ class EngineInspection:
         n, bs, kv = self.pool.num_blocks, self.block_size, self.kv_cache
         packed = self.runner.packed
         summary = (f"{self.name} on {self.device.type} ({dtype}): {n:,} blocks × {bs} = {n * bs:,} tokens "
-                   f"of KV, {kv.bytes_per_block:,} bytes per block, {format_bytes(kv.nbytes)} KV memory, "
+                   f"of KV{_quantized(kv.spec)}, {kv.bytes_per_block:,} bytes per block, "
+                   f"{format_bytes(kv.nbytes)} KV memory, "
                    f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
                    + (f", {gguf_blocks}" if (gguf_blocks := describe_blocks(self.runner.model)) else "")
@@ -139,7 +140,7 @@ class EngineInspection:
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,
                           prefix_caching=self.pool.enable_prefix_caching, max_model_len=self.max_model_len,
                           swap_blocks=self.swap.num_slots if self.swap is not None else 0,
-                          plan=self.runner.plan.lines())
+                          plan=self.runner.plan.lines(), kv_dtype=kv.spec.dtype_name)
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` after every step, in the stepping thread: monitors wake on it instead
@@ -197,6 +198,14 @@ class EngineInspection:
             if previous is not None and previous.identity != identity:
                 self.scheduler.kv.remember_foreign(previous.identity, list(previous.hashes))
             return PrefixLedger(identity, tuple(self.scheduler.kv.cached_hashes()))
+
+
+def _quantized(spec) -> str:
+    """' in fp8_e4m3 (...)' for a quantized cache; nothing for the model's dtype (already named)."""
+    if not spec.quantized:
+        return ""
+    return (f" in {spec.kv_cache_dtype} with a float16 scale per token and KV head "
+            f"({spec.bytes_per_token:,} bytes per token)")
 
 
 def _packing_cost(packed) -> str:

@@ -147,6 +147,15 @@ class EngineInfo:
     max_model_len: int | None = None
     swap_blocks: int = 0               # host slots for swapped-out blocks (swap preemption)
     plan: tuple[str, ...] = ()         # the execution plan, one "role: choice (why)" per line (local engines)
+    kv_dtype: str | None = None        # how K/V are stored: the model's dtype, "fp8_e4m3" or "int8"
+
+    @property
+    def kv_phrase(self) -> str | None:
+        """'KV fp8_e4m3, 2,112 bytes per token': what the monitor's title and `%pagedkv status`
+        say of the cache (None for an engine that does not report it, a server)."""
+        if self.kv_dtype is None or self.bytes_per_block is None:
+            return None
+        return f"KV {self.kv_dtype}, {self.bytes_per_block // self.block_size:,} bytes per token"
 
 
 @dataclass

@@ -135,6 +135,8 @@ class PagedKVMagics(Magics):
             return
         e, info = s.engine, s.engine.info()
         print(info.summary)
+        if info.kv_phrase:
+            print(info.kv_phrase)
         if info.plan:           # a local engine: which code runs its steps, and why
             print("execution plan:\n" + "\n".join(f"  {line}" for line in info.plan))
         print(e.stats().summary())

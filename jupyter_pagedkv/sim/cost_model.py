@@ -39,9 +39,11 @@ class ModelCost:
     kv_bytes_per_token: int
 
     @classmethod
-    def of(cls, model: str | ModelShape, bytes_per_weight: float = 2, kv_bytes: int = 2) -> ModelCost:
+    def of(cls, model: str | ModelShape, bytes_per_weight: float = 2, kv_bytes: int = 2,
+           kv_cache_dtype: str = "auto") -> ModelCost:
+        """`kv_cache_dtype` as the engine's option: a quantized cache reads and swaps ~half the bytes."""
         shape = MODELS[model] if isinstance(model, str) else model
-        return cls(shape, shape.num_params * bytes_per_weight, shape.kv_bytes_per_token(kv_bytes))
+        return cls(shape, shape.num_params * bytes_per_weight, shape.kv_bytes_per_token(kv_bytes, kv_cache_dtype))
 
     def work(self, chunks: Iterable[tuple[int, int, bool]], num_swapped_blocks: int = 0,
              block_size: int = 16) -> StepWork:

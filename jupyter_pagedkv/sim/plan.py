@@ -11,6 +11,10 @@ import math
 from dataclasses import dataclass
 
 GiB = 1 << 30
+# A quantized KV cache's bytes per element and per scale (the format of worker/kv_quant.py, which
+# sim may not import; tests/sim checks the two agree).
+QUANTIZED_KV = {"fp8_e4m3": 1, "int8": 1}
+KV_SCALE_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,11 @@ class ModelShape:
         runs only at sampled positions)."""
         return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
 
-    def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+    def kv_bytes_per_token(self, bytes_per_element: int = 2, kv_cache_dtype: str = "auto") -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes; a quantized cache ("fp8_e4m3",
+        "int8") stores one byte per element plus a float16 scale per token and KV head."""
+        if kv_cache_dtype != "auto":
+            return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * QUANTIZED_KV[kv_cache_dtype] + KV_SCALE_BYTES)
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
     @classmethod
@@ -83,6 +91,7 @@ class Plan:
     kv_bytes_per_token: int
     block_size: int
     context_len: int
+    kv_cache_dtype: str = "auto"
 
     @property
     def fits(self) -> bool:
@@ -115,8 +124,11 @@ class Plan:
                     f"(tensor parallel) or smaller weights (--weight-bytes 1 for 8-bit)")
         return "\n".join([
             f"{head}: weights {self.weight_bytes / GiB:.1f} GiB, KV budget {self.kv_budget_bytes / GiB:.1f} GiB",
-            f"KV per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} x bytes "
-            f"= {self.kv_bytes_per_token:,} bytes ({self.kv_bytes_per_token / 1024:.0f} KiB)",
+            (f"KV per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} x bytes "
+             if self.kv_cache_dtype == "auto" else
+             f"KV per token ({self.kv_cache_dtype}): 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x "
+             f"({m.head_dim} x 1 byte + a {KV_SCALE_BYTES}-byte scale) ")
+            + f"= {self.kv_bytes_per_token:,} bytes ({self.kv_bytes_per_token / 1024:.0f} KiB)",
             f"tokens that fit: {self.tokens:,} ({self.tokens // self.block_size:,} blocks of {self.block_size})",
             f"concurrent requests at {self.context_len:,} tokens: paged {self.paged_concurrency:,}, "
             f"contiguous (reserving {m.max_context:,} each) {self.contiguous_concurrency:,}",
@@ -125,8 +137,11 @@ class Plan:
 
 def plan(model: str | ModelShape, gpu: str | GPU = "H100-80GB", num_gpus: int = 1,
          context_len: int = 2048, block_size: int = 16, weight_bytes: float = 2, kv_bytes: int = 2,
-         gpu_memory_utilization: float = 0.9, activation_reserve: float = 0.05) -> Plan:
-    """Memory plan for `model` on `num_gpus` x `gpu` (weights and KV split evenly by tensor parallel)."""
+         gpu_memory_utilization: float = 0.9, activation_reserve: float = 0.05, kv_cache_dtype: str = "auto") -> Plan:
+    """Memory plan for `model` on `num_gpus` x `gpu` (weights and KV split evenly by tensor parallel);
+    `kv_cache_dtype` as the engine's option ("auto": `kv_bytes` per element)."""
+    if kv_cache_dtype not in ("auto", *QUANTIZED_KV):
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8_e4m3' or 'int8', got {kv_cache_dtype!r}")
     m = MODELS[model] if isinstance(model, str) else model
     if isinstance(gpu, str):
         if gpu not in GPUS:
@@ -135,7 +150,8 @@ def plan(model: str | ModelShape, gpu: str | GPU = "H100-80GB", num_gpus: int = 
     total = num_gpus * gpu.memory_bytes
     weights = int(m.num_params * weight_bytes)
     budget = int(total * (gpu_memory_utilization - activation_reserve)) - weights
-    return Plan(m, gpu, num_gpus, weights, budget, m.kv_bytes_per_token(kv_bytes), block_size, context_len)
+    return Plan(m, gpu, num_gpus, weights, budget, m.kv_bytes_per_token(kv_bytes, kv_cache_dtype), block_size,
+                context_len, kv_cache_dtype)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -146,6 +162,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--weight-bytes", type=float, default=2, help="bytes per weight (2 = bf16, 1 = 8-bit)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *QUANTIZED_KV),
+                    help="KV storage: auto = 2 bytes per element; fp8_e4m3 / int8 = 1 byte + a float16 scale "
+                         "per token and KV head")
     return ap
 
 
@@ -153,7 +172,8 @@ def from_argv(argv: list[str] | None) -> Plan:
     args = parser().parse_args(argv)
     if args.num_gpus < 1 or args.context < 1 or args.block_size < 1:
         parser().error("--num-gpus, --context and --block-size must be positive")
-    return plan(args.model, args.gpu, args.num_gpus, args.context, args.block_size, args.weight_bytes)
+    return plan(args.model, args.gpu, args.num_gpus, args.context, args.block_size, args.weight_bytes,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def figure(p: Plan):

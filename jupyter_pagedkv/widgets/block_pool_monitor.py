@@ -74,7 +74,9 @@ class BlockPoolMonitor(anywidget.AnyWidget):
         name = engine.name
         feed = feed_for(engine)           # a local engine's, or a server client's (same frames)
         n, bs = len(feed.codes), feed.block_size
-        super().__init__(title=f"KV cache · {name} · {n:,} blocks × {bs} tokens", height=height, **kwargs)
+        kv = engine.info().kv_phrase
+        super().__init__(title=f"KV cache · {name} · {n:,} blocks × {bs} tokens" + (f" · {kv}" if kv else ""),
+                         height=height, **kwargs)
         self._label = f"BlockPoolMonitor({name!r}: {n:,} blocks × {bs} tokens)"
         self._feed = feed
         self._busiest = Busiest()

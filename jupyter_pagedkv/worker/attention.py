@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .decode_attention import decode_attention
+from .kv_quant import write_quantized
 from .paged_metadata import PagedMetadata
 from .prefill_attention import prefill_attention
 
@@ -36,19 +37,23 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
 def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: PagedMetadata, scale: float, sliding_window: int | None = None,
                           new_k: torch.Tensor | None = None,
-                          new_v: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                          new_v: torch.Tensor | None = None, softcap: float | None = None,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for `query [num_tokens, heads, head_dim]` over the paged cache of one layer: the
     decode rows first, then the prefill chunks (`new_k`/`new_v`, this step's keys and values
-    `[num_tokens, kv_heads, head_dim]`, let a chunk read its own keys in place)."""
+    `[num_tokens, kv_heads, head_dim]`, let a chunk read its own keys in place). A quantized cache
+    comes with its scales (`KVCache.layer_scales`); what is read is dequantized to the query's dtype."""
     if sliding_window is not None and meta.max_seq_len <= sliding_window:
         sliding_window = None   # no sequence is long enough for the window to cut anything
     nd = meta.num_decode
     if nd == query.shape[0]:        # a decode-only step: the kernel's output is the layer's
-        return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale)
     out = torch.empty_like(query)
     if nd:
-        out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap)
-    return prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, new_k, new_v, softcap, out)
+        out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap,
+                                    k_scale, v_scale)
+    return prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, new_k, new_v, softcap, out,
+                             k_scale, v_scale)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -77,14 +82,34 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     `q [T, heads, d]` over the paged cache; returns `[T, heads, d]`. Shared by the AttentionInterface
     entry above and the lean forward loop (lean_forward.py)."""
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)
+    k_scale, v_scale = meta.kv_cache.layer_scales(layer_idx)
     if meta.backend == "triton":
         if softcap is not None:   # Engine refuses this pairing at build time; a guard for direct use
             raise NotImplementedError("the Triton kernels do not soft-cap attention logits: use the torch backend")
         from .kernels_bridge import paged_attention_triton, write_kv_triton
-        write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.all_slots_valid)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v, softcap)
+        # A quantized cache: the write kernel quantizes (kv_quant.quantize's ops), attention reads codes.
+        write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale)
+    if k_scale is None:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.all_slots_valid)
+    else:
+        # The chunks then attend their own keys as the cache holds them (quantized and back).
+        k, v = write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, meta)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v, softcap, k_scale, v_scale)
+
+
+def write_kv_quantized(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                       key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """`write_kv` for a quantized cache (kv_quant.py): rows with slot -1 are not written; returns
+    this step's keys and values dequantized, as a later read of their slots gives them."""
+    slots = meta.slot_mapping
+    if meta.all_slots_valid or not bool((slots < 0).any()):
+        return write_quantized(k_cache, v_cache, k_scale, v_scale, key, value, slots, meta.kv_cache.spec.kv_cache_dtype)
+    keep = slots >= 0
+    k_read, v_read = key.clone(), value.clone()
+    k_read[keep], v_read[keep] = write_quantized(k_cache, v_cache, k_scale, v_scale, key[keep], value[keep],
+                                                 slots[keep], meta.kv_cache.spec.kv_cache_dtype)
+    return k_read, v_read
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

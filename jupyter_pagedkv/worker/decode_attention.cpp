@@ -12,7 +12,14 @@
 //
 // The inner loops are compiled three times (AVX-512, AVX2, baseline) and the CPU picks one at
 // run time, so one build serves every x86 machine; elsewhere the baseline is the compiler's.
+//
+// A quantized cache (kv_cache_dtype "int8" or "fp8_e4m3") holds int8 or e4m3 codes and one fp16
+// scale per token and KV head (value = code * scale). Its codes are widened to float as they are
+// read and the scale comes out of the sums: a key's score is (q . codes) * its scale, a value's
+// weight is multiplied by its scale once, so the inner loops stay the same loops over another
+// element type. The model-dtype cache ("auto") instantiates the very code it did before.
 #include "decode_attention.h"
+#include "kv_codes.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -23,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -39,6 +47,14 @@ PAGEDKV_INLINE float to_float(c10::BFloat16 x) {
   return f;
 }
 PAGEDKV_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
+PAGEDKV_INLINE float to_float(int8_t x) { return static_cast<float>(x); }
+
+using pkv_codes::Fp8E4M3;
+PAGEDKV_INLINE float to_float(Fp8E4M3 b) { return pkv_codes::widen(b); }
+
+// T: the query's element type; K: the cache's (T itself, or a quantized code with scales).
+template <typename T, typename K>
+constexpr bool kQuantized = !std::is_same_v<T, K>;
 
 // The 16 partial sums added in a fixed pairwise tree (written out, so it vectorises).
 PAGEDKV_INLINE float reduce(float* part) {
@@ -84,11 +100,13 @@ PAGEDKV_INLINE void axpy(float* acc, float w, const T* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += w * to_float(v[i]);
 }
 
-template <typename T>
+template <typename T, typename K>
 struct Args {
   const T* q;            // [rows, heads, d], row stride q_row, head stride d
-  const T* k;            // [blocks, block_size, kv_heads, d], contiguous
-  const T* v;
+  const K* k;            // [blocks, block_size, kv_heads, d], contiguous
+  const K* v;
+  const c10::Half* ks;   // quantized caches: [blocks, block_size, kv_heads] scales, contiguous
+  const c10::Half* vs;
   const int64_t* table;  // [rows, max_blocks]
   const int32_t* lens;   // [rows]
   T* out;                // [rows, heads, d], contiguous
@@ -98,8 +116,8 @@ struct Args {
 
 // One (row, KV head). `scratch` holds the group's query in float, its scores and its sums.
 // D > 0 fixes the head size at compile time (common sizes unroll fully), 0 reads it from `a`.
-template <typename T, int D>
-PAGEDKV_INLINE void item_body(const Args<T>& a, int64_t item, std::vector<float>& scratch) {
+template <typename T, typename K, int D>
+PAGEDKV_INLINE void item_body(const Args<T, K>& a, int64_t item, std::vector<float>& scratch) {
   const int64_t row = item / a.kv_heads, g = item % a.kv_heads;
   const int64_t group = a.heads / a.kv_heads, d = D > 0 ? D : a.d;
   const int64_t len = a.lens[row];
@@ -116,8 +134,14 @@ PAGEDKV_INLINE void item_body(const Args<T>& a, int64_t item, std::vector<float>
   const int64_t* blocks = a.table + row * a.max_blocks;
   const int64_t stride = a.kv_heads * d;
   for (int64_t p = start; p < len; ++p) {
-    const T* key = a.k + (blocks[p / a.block_size] * a.block_size + p % a.block_size) * stride + g * d;
-    for (int64_t j = 0; j < group; ++j) scores[j * n + (p - start)] = dot(q + j * d, key, d) * a.scale;
+    const int64_t slot = blocks[p / a.block_size] * a.block_size + p % a.block_size;
+    const K* key = a.k + slot * stride + g * d;
+    if constexpr (kQuantized<T, K>) {
+      const float s = static_cast<float>(a.ks[slot * a.kv_heads + g]) * a.scale;
+      for (int64_t j = 0; j < group; ++j) scores[j * n + (p - start)] = dot(q + j * d, key, d) * s;
+    } else {
+      for (int64_t j = 0; j < group; ++j) scores[j * n + (p - start)] = dot(q + j * d, key, d) * a.scale;
+    }
   }
   std::fill(acc, acc + group * d, 0.f);
   float total[64];   // group <= 64, checked by the caller
@@ -134,8 +158,14 @@ PAGEDKV_INLINE void item_body(const Args<T>& a, int64_t item, std::vector<float>
     total[j] = reduce(part);
   }
   for (int64_t p = start; p < len; ++p) {
-    const T* value = a.v + (blocks[p / a.block_size] * a.block_size + p % a.block_size) * stride + g * d;
-    for (int64_t j = 0; j < group; ++j) axpy(acc + j * d, scores[j * n + (p - start)], value, d);
+    const int64_t slot = blocks[p / a.block_size] * a.block_size + p % a.block_size;
+    const K* value = a.v + slot * stride + g * d;
+    if constexpr (kQuantized<T, K>) {
+      const float s = static_cast<float>(a.vs[slot * a.kv_heads + g]);
+      for (int64_t j = 0; j < group; ++j) axpy(acc + j * d, scores[j * n + (p - start)] * s, value, d);
+    } else {
+      for (int64_t j = 0; j < group; ++j) axpy(acc + j * d, scores[j * n + (p - start)], value, d);
+    }
   }
   for (int64_t j = 0; j < group; ++j) {
     T* dst = a.out + (row * a.heads + g * group + j) * d;
@@ -144,21 +174,23 @@ PAGEDKV_INLINE void item_body(const Args<T>& a, int64_t item, std::vector<float>
   }
 }
 
-template <typename T>
-using ItemFn = void (*)(const Args<T>&, int64_t, std::vector<float>&);
+template <typename T, typename K>
+using ItemFn = void (*)(const Args<T, K>&, int64_t, std::vector<float>&);
 
-template <typename T, int D>
-void item_generic(const Args<T>& a, int64_t item, std::vector<float>& scratch) { item_body<T, D>(a, item, scratch); }
+template <typename T, typename K, int D>
+void item_generic(const Args<T, K>& a, int64_t item, std::vector<float>& scratch) {
+  item_body<T, K, D>(a, item, scratch);
+}
 
 #if defined(__x86_64__) && defined(__GNUC__)
-template <typename T, int D>
-__attribute__((target("avx2,fma"))) void item_avx2(const Args<T>& a, int64_t item, std::vector<float>& scratch) {
-  item_body<T, D>(a, item, scratch);
+template <typename T, typename K, int D>
+__attribute__((target("avx2,fma"))) void item_avx2(const Args<T, K>& a, int64_t item, std::vector<float>& scratch) {
+  item_body<T, K, D>(a, item, scratch);
 }
-template <typename T, int D>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void item_avx512(const Args<T>& a, int64_t item,
+template <typename T, typename K, int D>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void item_avx512(const Args<T, K>& a, int64_t item,
                                                                                 std::vector<float>& scratch) {
-  item_body<T, D>(a, item, scratch);
+  item_body<T, K, D>(a, item, scratch);
 }
 #endif
 
@@ -166,48 +198,77 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void item_avx512(c
 // can check that they agree bit for bit.
 enum class Isa { kAuto, kAvx512, kAvx2, kGeneric };
 
-template <typename T, int D>
-ItemFn<T> pick_isa(Isa isa) {
+template <typename T, typename K, int D>
+ItemFn<T, K> pick_isa(Isa isa) {
 #if defined(__x86_64__) && defined(__GNUC__)
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if ((isa == Isa::kAuto || isa == Isa::kAvx512) && avx512) return &item_avx512<T, D>;
-  if ((isa == Isa::kAuto || isa == Isa::kAvx512 || isa == Isa::kAvx2) && avx2) return &item_avx2<T, D>;
+  if ((isa == Isa::kAuto || isa == Isa::kAvx512) && avx512) return &item_avx512<T, K, D>;
+  if ((isa == Isa::kAuto || isa == Isa::kAvx512 || isa == Isa::kAvx2) && avx2) return &item_avx2<T, K, D>;
 #endif
-  return &item_generic<T, D>;
+  return &item_generic<T, K, D>;
 }
 
-template <typename T>
-ItemFn<T> pick(int64_t head_dim, Isa isa) {
+template <typename T, typename K>
+ItemFn<T, K> pick(int64_t head_dim, Isa isa) {
   switch (head_dim) {
-    case 64: return pick_isa<T, 64>(isa);
-    case 128: return pick_isa<T, 128>(isa);
-    default: return pick_isa<T, 0>(isa);
+    case 64: return pick_isa<T, K, 64>(isa);
+    case 128: return pick_isa<T, K, 128>(isa);
+    default: return pick_isa<T, K, 0>(isa);
   }
 }
 
-template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-         const at::Tensor& lens, at::Tensor& out, double scale, int64_t window, Isa isa) {
-  Args<T> a{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), table.data_ptr<int64_t>(),
-            lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.stride(0), q.size(1), k.size(2), q.size(2),
-            k.size(1), table.size(1), window, static_cast<float>(scale)};
-  const ItemFn<T> fn = pick<T>(a.d, isa);
+// K: the cache's element type; `ks`/`vs` its scales when it is quantized (else undefined).
+template <typename T, typename K>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ks, const at::Tensor& vs,
+         const at::Tensor& table, const at::Tensor& lens, at::Tensor& out, double scale, int64_t window, Isa isa) {
+  const c10::Half* kscale = kQuantized<T, K> ? ks.data_ptr<c10::Half>() : nullptr;
+  const c10::Half* vscale = kQuantized<T, K> ? vs.data_ptr<c10::Half>() : nullptr;
+  Args<T, K> a{q.data_ptr<T>(), static_cast<const K*>(k.data_ptr()), static_cast<const K*>(v.data_ptr()),
+               kscale, vscale, table.data_ptr<int64_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.stride(0),
+               q.size(1), k.size(2), q.size(2), k.size(1), table.size(1), window, static_cast<float>(scale)};
+  const ItemFn<T, K> fn = pick<T, K>(a.d, isa);
   at::parallel_for(0, q.size(0) * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t item = begin; item < end; ++item) fn(a, item, scratch);
   });
 }
 
+// The query's element type T, then the cache's: T itself, or int8 / fp8 e4m3 codes with scales.
+template <typename T>
+void run_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ks,
+               const at::Tensor& vs, const at::Tensor& table, const at::Tensor& lens, at::Tensor& out, double scale,
+               int64_t window, Isa isa) {
+  switch (k.scalar_type()) {
+    case at::kChar: run<T, int8_t>(q, k, v, ks, vs, table, lens, out, scale, window, isa); break;
+    case at::kFloat8_e4m3fn: run<T, Fp8E4M3>(q, k, v, ks, vs, table, lens, out, scale, window, isa); break;
+    default: run<T, T>(q, k, v, ks, vs, table, lens, out, scale, window, isa); break;
+  }
+}
+
 at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                   const at::Tensor& table, const at::Tensor& lens, double scale, int64_t window, Isa isa) {
   // Named for torch.profiler (bench step_profile counts it as attention, not as overhead).
   RECORD_FUNCTION("pagedkv::paged_decode_attention", std::vector<c10::IValue>());
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: query [rows, heads, d] and caches [blocks, block_size, kv_heads, d]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode_attention: contiguous caches in the query's dtype");
+  const bool quantized = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((quantized || query.scalar_type() == k_cache.scalar_type()) && k_cache.is_contiguous()
+                  && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: contiguous caches in the query's dtype, int8 or float8_e4m3fn");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
+              "paged_decode_attention: an int8 or float8_e4m3fn cache takes k_scale and v_scale, "
+              "another none");
+  at::Tensor ks, vs;
+  if (quantized) {
+    ks = *k_scale;
+    vs = *v_scale;
+    TORCH_CHECK(ks.scalar_type() == at::kHalf && vs.scalar_type() == at::kHalf && ks.is_contiguous()
+                    && vs.is_contiguous() && ks.sizes() == k_cache.sizes().slice(0, 3) && vs.sizes() == ks.sizes(),
+                "paged_decode_attention: contiguous float16 scales [blocks, block_size, kv_heads]");
+  }
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: head size and GQA grouping must match the cache");
   TORCH_CHECK(query.size(1) / k_cache.size(2) <= 64, "paged_decode_attention: at most 64 query heads per KV head");
@@ -220,9 +281,9 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::
   auto l = lens.is_contiguous() ? lens : lens.contiguous();
   auto out = at::empty(query.sizes(), query.options());
   switch (query.scalar_type()) {
-    case at::kFloat: run<float>(q, k_cache, v_cache, t, l, out, scale, window, isa); break;
-    case at::kBFloat16: run<c10::BFloat16>(q, k_cache, v_cache, t, l, out, scale, window, isa); break;
-    case at::kHalf: run<c10::Half>(q, k_cache, v_cache, t, l, out, scale, window, isa); break;
+    case at::kFloat: run_cache<float>(q, k_cache, v_cache, ks, vs, t, l, out, scale, window, isa); break;
+    case at::kBFloat16: run_cache<c10::BFloat16>(q, k_cache, v_cache, ks, vs, t, l, out, scale, window, isa); break;
+    case at::kHalf: run_cache<c10::Half>(q, k_cache, v_cache, ks, vs, t, l, out, scale, window, isa); break;
     default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 only");
   }
   return out;
@@ -231,14 +292,16 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& table, const at::Tensor& lens, double scale, int64_t window) {
-  return attend(query, k_cache, v_cache, table, lens, scale, window, Isa::kAuto);
+                                  const at::Tensor& table, const at::Tensor& lens, double scale, int64_t window,
+                                  const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+  return attend(query, k_cache, v_cache, k_scale, v_scale, table, lens, scale, window, Isa::kAuto);
 }
 
 at::Tensor paged_decode_attention_isa(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                       const at::Tensor& table, const at::Tensor& lens, double scale, int64_t window,
-                                      const std::string& isa) {
+                                      const std::string& isa, const c10::optional<at::Tensor>& k_scale,
+                                      const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(isa == "avx512" || isa == "avx2" || isa == "generic", "isa: avx512, avx2 or generic");
-  return attend(query, k_cache, v_cache, table, lens, scale, window,
+  return attend(query, k_cache, v_cache, k_scale, v_scale, table, lens, scale, window,
                 isa == "avx512" ? Isa::kAvx512 : isa == "avx2" ? Isa::kAvx2 : Isa::kGeneric);
 }

@@ -1,21 +1,26 @@
 """Decode rows' attention on the torch backend: each of a step's first `num_decode` query rows is
 one sequence's next token. Where the execution plan chose the C++ kernel (decode_attention.cpp,
 `PagedMetadata.decode_kernel`) each row reads its own blocks in place; otherwise SDPA runs over the
-rows' blocks gathered into one padded batch and masked to each row's length."""
+rows' blocks gathered into one padded batch and masked to each row's length (a quantized cache's
+blocks dequantized as gathered, kv_quant.py)."""
 from __future__ import annotations
 
 import torch
 
+from .kv_quant import dequantize
 from .paged_metadata import PagedMetadata, additive_mask
 from .sdpa import attend
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
-                     scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """`query [num_decode, heads, d]` over one layer's cache; returns the same shape. The kernel
-    does not soft-cap, so a soft-capped model keeps SDPA's written-out form."""
-    if meta.decode_kernel is not None and softcap is None:
-        return meta.decode_kernel(query, k_cache, v_cache, meta.decode_block_tables, meta.seq_lens, scale, window or 0)
+                     scale: float, window: int | None = None, softcap: float | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`query [num_decode, heads, d]` over one layer's cache (quantized: with its scales
+    `[blocks, block_size, kv_heads]`); returns the same shape. The kernel does not soft-cap, so a
+    soft-capped model keeps SDPA's written-out form."""
+    if meta.decode_kernel is not None and softcap is None:     # a quantized cache: codes and scales read as they lie
+        return meta.decode_kernel(query, k_cache, v_cache, meta.decode_block_tables, meta.seq_lens, scale, window or 0,
+                                  k_scale, v_scale)
     nd, heads, d = query.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     bt = meta.decode_block_tables
@@ -23,6 +28,9 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     # index_select copies whole blocks (~4x faster than advanced indexing on the CPU).
     k = k_cache.index_select(0, bt.view(-1)).view(nd, length, kvh, d).transpose(1, 2)
     v = v_cache.index_select(0, bt.view(-1)).view(nd, length, kvh, d).transpose(1, 2)
+    if k_scale is not None:
+        k = dequantize(k, k_scale.index_select(0, bt.view(-1)).view(nd, length, kvh).transpose(1, 2), query.dtype)
+        v = dequantize(v, v_scale.index_select(0, bt.view(-1)).view(nd, length, kvh).transpose(1, 2), query.dtype)
     bias = meta.decode_bias if window is None else decode_window_bias(meta, window, query.dtype)
     # GQA folded: the query heads sharing a KV head become that head's query rows, so each
     # KV head is read once and no `enable_gqa` broadcast is needed (same sums, same order).

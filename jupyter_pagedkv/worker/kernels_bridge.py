@@ -64,18 +64,22 @@ def triton_available(device: torch.device | str) -> bool:
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta, scale: float, window: int | None) -> torch.Tensor:
-    """`q [T, heads, head_dim]` over one layer's cache, described by a `PagedMetadata`."""
+                           meta, scale: float, window: int | None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`q [T, heads, head_dim]` over one layer's cache, described by a `PagedMetadata` (a quantized
+    cache with its scales, `KVCache.layer_scales`)."""
     max_seq_len = meta.max_seq_len or None
     return kernel_module("paged_attention").paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-        max_seq_len=max_seq_len, sliding_window=window)
+        max_seq_len=max_seq_len, sliding_window=window, k_scale=k_scale, v_scale=v_scale)
 
 
 def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Same contract as `attention.write_kv` (-1 skips a row), one kernel launch, no host sync."""
-    kernel_module("cache_ops").write_kv(k_cache, v_cache, key, value, slot_mapping)
+                    value: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """Same contract as `attention.write_kv` (-1 skips a row), one kernel launch, no host sync; a
+    quantized cache's rows are quantized per KV head as they are stored, scales beside them."""
+    kernel_module("cache_ops").write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks_triton(k: torch.Tensor, v: torch.Tensor, pairs) -> None:
@@ -85,7 +89,7 @@ def copy_blocks_triton(k: torch.Tensor, v: torch.Tensor, pairs) -> None:
 
 def _attention_shape(kv_spec, num_heads: int, block_size: int, window: int | None):
     return kernel_module("variants").AttentionShape(num_heads, kv_spec.num_kv_heads, kv_spec.head_dim,
-                                                    kv_spec.dtype, block_size, window)
+                                                    kv_spec.dtype, block_size, window, kv_spec.cache_dtype)
 
 
 def kernel_variants(kv_spec, num_heads: int, block_size: int, window: int | None) -> list[str]:
@@ -119,6 +123,8 @@ def warm_up_model_kernels(model, kv_cache, device: torch.device) -> list[str]:
     roles = [role for w in sorted(windows, key=lambda w: w or 0)
              for role in warm_up_kernels(kv_cache.spec, text.num_attention_heads, kv_cache.block_size, w, device)]
     copy_blocks_triton(kv_cache.k, kv_cache.v, [(0, 0)])    # block 0 onto itself: no change
+    if kv_cache.k_scale is not None:
+        copy_blocks_triton(kv_cache.k_scale, kv_cache.v_scale, [(0, 0)])
     return roles + ["copy_blocks on the cache"]
 
 

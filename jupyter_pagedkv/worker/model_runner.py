@@ -199,6 +199,9 @@ class ModelRunner:
         if copies and self.backend == "triton":
             from .kernels_bridge import copy_blocks_triton
             copy_blocks_triton(self.kv_cache.k, self.kv_cache.v, copies)
+            if self.kv_cache.k_scale is not None:      # a quantized block's scales go with its codes
+                copy_blocks_triton(self.kv_cache.k_scale, self.kv_cache.v_scale, copies)
+                self.h2d_copies += 1           # their pairs again
             self.h2d_copies += 1               # the (src, dst) pairs
         else:
             self.kv_cache.copy_blocks(copies)

@@ -41,6 +41,23 @@ at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps) {
   return weight * x.to(h.scalar_type());
 }
 
+// Store x [T, kv_heads, d] at `slots` of one layer's quantized cache (int8 or float8_e4m3fn
+// codes) and its float16 scales [blocks, block_size, kv_heads]: kv_quant.quantize and
+// write_quantized, op for op, so the codes and scales are the lean loop's bit for bit.
+void write_quantized(const at::Tensor& cache, const at::Tensor& scales, const at::Tensor& x, const at::Tensor& slots) {
+  const int64_t kv_heads = cache.size(-2), d = cache.size(-1);
+  const bool int8 = cache.scalar_type() == at::kChar;
+  const double qmax = int8 ? 127.0 : 448.0;
+  auto xf = x.to(at::kFloat);
+  auto amax = xf.abs().amax(-1);
+  auto scale = (amax / qmax).clamp(6.103515625e-05, 65504.0).to(at::kHalf);   // float16's tiny and max
+  auto scaled = (xf / scale.to(at::kFloat).unsqueeze(-1)).clamp(-qmax, qmax);
+  auto q = int8 ? scaled.round().to(at::kChar) : scaled.to(at::kFloat8_e4m3fn);
+  // index_copy_ has no float8 kernel on the CPU: the bytes are copied (a bit-exact move).
+  cache.view({-1, kv_heads, d}).view(at::kByte).index_copy_(0, slots, q.view(at::kByte));
+  scales.view({-1, kv_heads}).index_copy_(0, slots, scale);
+}
+
 // Rotary embedding of x [T, heads, d] (lean_forward._rotate).
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
@@ -54,7 +71,8 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // gate/up (stacked) and down, and `kinds[4 i .. 4 i + 3]` how each of the four is packed (0:
 // oneDNN, else a GGML block type; `dense_from_rows` as quant_linear.DENSE_FROM_ROWS). The caches are [layers, blocks, block_size, kv_heads, d]; `slots`
 // [T] where each token's K/V goes; `table` [T, max_blocks] the sequences' blocks; `lens` [T]
-// their lengths after this token; `windows` each layer's sliding window (0: none).
+// their lengths after this token; `windows` each layer's sliding window (0: none). A quantized
+// cache (int8 / float8_e4m3fn) comes with `k_scale`/`v_scale` [layers, blocks, block_size, kv_heads].
 at::Tensor decode_layers(
     at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<at::Tensor>& norm1, const std::vector<double>& eps1,
@@ -66,7 +84,8 @@ at::Tensor decode_layers(
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
     const at::Tensor& table, const at::Tensor& lens, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t intermediate, const std::vector<double>& scaling, const std::vector<int64_t>& windows,
-    const std::vector<int64_t>& kinds, int64_t dense_from_rows) {
+    const std::vector<int64_t>& kinds, int64_t dense_from_rows, const c10::optional<at::Tensor>& k_scale,
+    const c10::optional<at::Tensor>& v_scale) {
   const int64_t tokens = h.size(0);
   const int64_t layers = static_cast<int64_t>(norm1.size());
   for (int64_t i = 0; i < layers; ++i) {
@@ -77,10 +96,18 @@ at::Tensor decode_layers(
     auto k = qk.slice(1, heads);
     auto v = qkv.slice(1, heads + kv_heads);
     auto kc = k_cache.select(0, i), vc = v_cache.select(0, i);
-    kc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k);
-    vc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
+    c10::optional<at::Tensor> ks, vs;
+    if (k_scale.has_value()) {
+      ks = k_scale->select(0, i);
+      vs = v_scale->select(0, i);
+      write_quantized(kc, *ks, k, slots);
+      write_quantized(vc, *vs, v, slots);
+    } else {
+      kc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k);
+      vc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
+    }
     // attention.paged_attention_torch's decode rows: the same kernel, blocks read in place.
-    auto o = paged_decode_attention(q, kc, vc, table, lens, scaling[i], windows[i]);
+    auto o = paged_decode_attention(q, kc, vc, table, lens, scaling[i], windows[i], ks, vs);
     h = h + project(o.reshape({tokens, heads * head_dim}), w_o[i], b_o[i], kinds[4 * i + 1], dense_from_rows);
     x = rms_norm(h, norm2[i], eps2[i]);
     auto gate_up = project(x, w_gate_up[i], b_gate_up[i], kinds[4 * i + 2], dense_from_rows)
@@ -95,8 +122,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // monitor feed) run while it computes, as they do between the Python loop's ops.
   m.def("decode_layers", &decode_layers, "a decode-only step through Llama-shaped layers",
         py::call_guard<py::gil_scoped_release>());
+  // k_scale / v_scale: a quantized cache's scales (decode_attention.h), None for the model dtype's.
   m.def("paged_decode_attention", &paged_decode_attention, "decode rows attending over their own blocks in place",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("lens"),
+        py::arg("scale"), py::arg("window"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention_isa", &paged_decode_attention_isa, "the same, one ISA variant forced (tests)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("lens"),
+        py::arg("scale"), py::arg("window"), py::arg("isa"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -128,7 +128,8 @@ class NativeDecode:
             weights["qkv"], weights["bqkv"], weights["o"], weights["bo"], weights["gu"], weights["bgu"],
             weights["down"], weights["bdown"], kv.k, kv.v, paged.slot_mapping,
             paged.decode_block_tables, paged.seq_lens, self.heads, self.kv_heads, self.head_dim,
-            self.intermediate, self.scaling, self.windows, kinds, DENSE_FROM_ROWS)
+            self.intermediate, self.scaling, self.windows, kinds, DENSE_FROM_ROWS,
+            kv.k_scale, kv.v_scale)
 
     def prove(self, native: torch.Tensor, lean: torch.Tensor) -> None:
         """The first served step: keep the C++ loop only if it gave the lean loop's very values."""
@@ -162,11 +163,15 @@ def _problem(model, packed: PackedLinears, softcaps: list[float | None]) -> str 
 
 def _projection(packed: PackedLinears, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
     """(weight, bias, kind) of the one GEMM computing `linears` in the C++ loop: a oneDNN-packed
-    weight (kind 0), or GGUF blocks (their GGML type; weights="packed"); None if neither."""
-    if len(linears) == 1 and isinstance(linears[0], QuantLinear):
-        return linears[0].blocks, linears[0].bias, linears[0].kind
-    stack = QuantStack.of(linears)
-    if stack is not None:
-        return stack.blocks, None, stack.kind
+    weight (kind 0), or GGUF blocks (their GGML type; weights="packed"); None if neither. Called
+    for every projection of every decode step: a plain nn.Linear goes straight to the oneDNN
+    lookup (asking it for a QuantStack's `stack` would raise and catch an AttributeError in
+    nn.Module.__getattr__, 120 times a step on the embedded model)."""
+    if isinstance(linears[0], QuantLinear):
+        if len(linears) == 1:
+            return linears[0].blocks, linears[0].bias, linears[0].kind
+        stack = QuantStack.of(linears)
+        if stack is not None:
+            return stack.blocks, None, stack.kind
     found = packed.packed_weight(linears)
     return None if found is None else (*found, 0)

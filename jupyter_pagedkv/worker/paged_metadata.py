@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from .kv_cache import KVCache
+from .kv_quant import dequantize
 
 
 @dataclass(slots=True)
@@ -21,14 +22,20 @@ class PrefillChunk:
     block_ids: torch.Tensor          # physical blocks holding positions [0, ctx_len)
     first_block: int | None = None   # set when those blocks are consecutive, first_block, +1, ...
 
-    def keys(self, cache: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    def keys(self, cache: torch.Tensor, lo: int, hi: int, scale: torch.Tensor | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
         """`cache`'s rows for this chunk's blocks lo .. hi - 1, as `[(hi - lo) * block_size,
         kv_heads, head_dim]`. Consecutive blocks are a view of the cache: no copy of the prefix
-        (a long cached prefix was otherwise copied out once per layer and step)."""
+        (a long cached prefix was otherwise copied out once per layer and step). A quantized
+        cache's rows come dequantized to `dtype` with their `scale` `[blocks, block_size, kv_heads]`."""
         kvh, d = cache.shape[-2:]
         if self.first_block is not None:
-            return cache[self.first_block + lo:self.first_block + hi].view(-1, kvh, d)
-        return cache.index_select(0, self.block_ids[lo:hi]).view(-1, kvh, d)
+            rows = cache[self.first_block + lo:self.first_block + hi].view(-1, kvh, d)
+        else:
+            rows = cache.index_select(0, self.block_ids[lo:hi]).view(-1, kvh, d)
+        if scale is None:
+            return rows
+        return dequantize(rows, self.keys(scale.unsqueeze(-1), lo, hi).squeeze(-1), dtype)
 
 
 @dataclass

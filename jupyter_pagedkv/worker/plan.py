@@ -35,6 +35,31 @@ logger = logging.getLogger(__name__)
 BACKEND_ENV = "JUPYTER_PAGEDKV_BACKEND"     # "auto" (default), "triton" or "torch"
 BACKENDS = ("auto", "triton", "torch")
 KERNEL_MODES = ("auto", "native", "torch")
+# The KV cache dtypes (kv_quant.py) each attention kernel reads; torch's SDPA path reads all of
+# them, dequantizing what it gathers. A kernel that learns a format adds it here, and nowhere else.
+KERNEL_KV_DTYPES: dict[str, tuple[str, ...]] = {
+    "triton": ("auto", "fp8_e4m3", "int8"),     # kernels/paged_attention.py, kernels/cache_ops.py
+    "native decode": ("auto", "fp8_e4m3", "int8"),      # decode_attention.cpp
+    "native prefill": ("auto", "fp8_e4m3", "int8"),     # prefill_attention.cpp
+    "native step": ("auto", "fp8_e4m3", "int8"),        # native_decode.cpp (writes the cache too)
+    "sdpa": ("auto", "fp8_e4m3", "int8"),
+}
+# Triton has an e4m3 type from sm_89 (Ada, Hopper) on: an older GPU reads int8 caches only.
+TRITON_FP8_MIN_CAPABILITY = (8, 9)
+
+
+def kv_dtype_problem(kernel: str, kv_cache_dtype: str, device: torch.device | None = None) -> str | None:
+    """Why `kernel` cannot read a cache of `kv_cache_dtype` (on `device`), naming what it reads, or None."""
+    reads = KERNEL_KV_DTYPES[kernel]
+    if kernel == "triton" and kv_cache_dtype == "fp8_e4m3" and device is not None and device.type == "cuda" \
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < TRITON_FP8_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        reads = tuple(r for r in reads if r != "fp8_e4m3")
+        return (f"the triton kernel reads kv_cache_dtype 'fp8_e4m3' from sm_89 on (this GPU is sm_{major}{minor}), "
+                f"so {' or '.join(map(repr, reads))} only")
+    if kv_cache_dtype in reads:
+        return None
+    return f"the {kernel} kernel reads kv_cache_dtype {' or '.join(map(repr, reads))} only, not {kv_cache_dtype!r}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +83,7 @@ class PlanOptions:
     step_loop: str = "auto"
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def of(cls, config) -> PlanOptions:
@@ -98,28 +124,36 @@ def plan_execution(options: PlanOptions, model, device: torch.device, dtype: tor
     """Decide every choice for `model` on `device`, in dependency order; `packed` is the model's
     packed GEMMs (learned: the lean loop is proven under them), `soft_caps` whether its attention
     soft-caps logits (the Triton kernels do not)."""
-    backend = decide_backend(device, options.attention_backend)
+    kv = options.kv_cache_dtype
+    backend = decide_backend(device, options.attention_backend, kv)
     if soft_caps and backend.choice == "triton":
         raise UnsupportedModelError(f"{name} soft-caps its attention logits, which the Triton kernels do not: "
                                     f"load it with attention_backend='torch' (--attention-backend torch)")
     steps = decide_decode_steps(options.cuda_graphs, options.pad_decode, device, backend.choice)
-    decode, decode_fn = decide_decode_attention(options.decode_attention, device, backend.choice)
+    decode, decode_fn = decide_decode_attention(options.decode_attention, device, backend.choice, kv)
     prefill, prefill_module = decide_prefill_attention(options.prefill_attention, device, backend.choice,
-                                                       dtype, head_dim)
-    forward, lean = decide_forward(options.step_loop, model, device, backend.choice, packed, decode_fn)
+                                                       dtype, head_dim, kv)
+    forward, lean = decide_forward(options.step_loop, model, device, backend.choice, packed, decode_fn, kv)
     plan = ExecutionPlan(backend, steps, decode, prefill, forward)
     logger.info("execution plan: %s", "; ".join(plan.lines()))
     return plan, Kernels(decode_fn, prefill_module, lean)
 
 
-def decide_backend(device: torch.device | str, requested: str | None = None) -> Decision:
+def decide_backend(device: torch.device | str, requested: str | None = None, kv_cache_dtype: str = "auto") -> Decision:
     """`requested` (or $JUPYTER_PAGEDKV_BACKEND, default "auto"): "auto" is Triton on CUDA and
-    torch elsewhere; forcing Triton where it cannot run is an error, not a silent fallback."""
+    torch elsewhere (or where the Triton kernels cannot read the KV cache's dtype); forcing Triton
+    where it cannot run is an error, not a silent fallback."""
     choice = (requested if requested not in (None, "auto") else None) or os.environ.get(BACKEND_ENV) or "auto"
     if choice not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {choice!r}")
     device = torch.device(device)
+    kv_problem = kv_dtype_problem("triton", kv_cache_dtype, device)
+    if choice == "triton" and kv_problem:
+        raise ValueError(f"attention_backend='triton' cannot run here: {kv_problem}; "
+                         f"use attention_backend='torch' (reads {', '.join(KERNEL_KV_DTYPES['sdpa'])}) or kv_cache_dtype='auto'")
     if choice == "auto":
+        if device.type == "cuda" and kv_problem and triton_available(device):
+            return Decision("torch", f"auto: torch, as {kv_problem}")
         if device.type == "cuda" and triton_available(device):
             return Decision("triton", "auto: the Triton kernels on CUDA")
         return Decision("torch", f"auto: torch on {device.type}" + (" (no Triton)" if device.type == "cuda" else ""))
@@ -150,7 +184,8 @@ def decide_decode_steps(cuda_graphs: bool | None, pad_decode: bool, device: torc
                     else "the torch attention backend reads lengths on the host")
 
 
-def decide_decode_attention(mode: str, device: torch.device, backend: str) -> tuple[Decision, Callable | None]:
+def decide_decode_attention(mode: str, device: torch.device, backend: str,
+                            kv_cache_dtype: str = "auto") -> tuple[Decision, Callable | None]:
     """The C++ kernel (decode_attention.cpp, blocks read in place) on the CPU's torch backend
     where it builds, else SDPA over gathered blocks; the Triton backend has its own kernel."""
     if mode not in KERNEL_MODES:
@@ -162,13 +197,14 @@ def decide_decode_attention(mode: str, device: torch.device, backend: str) -> tu
         return Decision("triton", "the Triton backend's paged attention kernel"), None
     if mode == "torch":
         return Decision("sdpa", "decode_attention='torch'"), None
-    problem = native_disabled() or (None if device.type == "cpu" else f"the C++ kernel is for the CPU, not {device.type}")
+    problem = (kv_dtype_problem("native decode", kv_cache_dtype) or native_disabled()
+               or (None if device.type == "cpu" else f"the C++ kernel is for the CPU, not {device.type}"))
     return _native_or_sdpa("decode_attention", mode, problem, lambda: (load_extension().paged_decode_attention, None),
                            "decode_attention.cpp reads each sequence's blocks in place", "use 'auto'")
 
 
 def decide_prefill_attention(mode: str, device: torch.device, backend: str, dtype: torch.dtype,
-                             head_dim: int | None) -> tuple[Decision, ModuleType | None]:
+                             head_dim: int | None, kv_cache_dtype: str = "auto") -> tuple[Decision, ModuleType | None]:
     """The C++ kernel (prefill_attention.cpp) where the CPU serves it, else torch's SDPA;
     'native' raises instead of falling back; the Triton backend has its own kernel."""
     if mode not in KERNEL_MODES:
@@ -183,7 +219,8 @@ def decide_prefill_attention(mode: str, device: torch.device, backend: str, dtyp
         if module.supports(torch.empty(0, dtype=dtype)):  # host: a CPU kernel's dtype probe
             return module, None
         return None, f"this CPU lacks AVX-512{' BF16' if dtype == torch.bfloat16 else ''}"
-    problem = native_disabled() or prefill_kernel.problem(device, backend, dtype, head_dim)
+    problem = (kv_dtype_problem("native prefill", kv_cache_dtype) or native_disabled()
+               or prefill_kernel.problem(device, backend, dtype, head_dim))
     return _native_or_sdpa("prefill_attention", mode, problem, load, "prefill_attention.cpp, on this CPU's AVX-512",
                            "use 'auto' or 'torch'")
 
@@ -206,7 +243,7 @@ def _native_or_sdpa(option: str, mode: str, problem: str | None, load: Callable[
 
 
 def decide_forward(step_loop: str, model, device: torch.device, backend: str, packed: PackedLinears,
-                   decode_kernel: Callable | None) -> tuple[Decision, LeanForward | None]:
+                   decode_kernel: Callable | None, kv_cache_dtype: str = "auto") -> tuple[Decision, LeanForward | None]:
     """Steps through one plain loop over the model's modules where that is proven exact
     (lean_forward.py), decode steps through its C++ twin where that builds (native_decode.py).
     Measured on the CPU only, so a GPU keeps the model's own forward."""
@@ -229,6 +266,10 @@ def decide_forward(step_loop: str, model, device: torch.device, backend: str, pa
     why = why.removeprefix("the lean loop (").removesuffix(")")
     if step_loop not in ("auto", "native"):
         return Decision("lean", why), lean
+    if (problem := kv_dtype_problem("native step", kv_cache_dtype)) is not None:
+        if step_loop == "native":
+            raise ValueError(f"step_loop='native' cannot run here: {problem}; use 'auto' or 'lean'")
+        return Decision("lean", f"{why}; decode steps stay in Python: {problem}"), lean
     calls = lean.attention
     native, problem = NativeDecode.plan(model, packed, [c.scaling for c in calls], [c.window for c in calls],
                                        [c.softcap for c in calls], decode_kernel, required=step_loop == "native")

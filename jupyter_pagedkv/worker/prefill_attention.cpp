@@ -40,7 +40,11 @@ template <typename E, int NV>
 void run_all(const Args& a) {
   using T = typename E::T;
   static thread_local std::vector<T> kp, vp;    // the calling thread's; workers get the pointers
-  pkv_prefill::pack<E>(a, kp, vp);
+  switch (a.codes) {                            // a quantized cache is dequantized as it is packed
+    case 1: pkv_prefill::pack<E, int8_t>(a, kp, vp); break;
+    case 2: pkv_prefill::pack<E, pkv_codes::Fp8E4M3>(a, kp, vp); break;
+    default: pkv_prefill::pack<E>(a, kp, vp); break;
+  }
   const T* kdata = kp.data();
   const T* vdata = vp.data();
   const int64_t qblocks = (a.n + kQ - 1) / kQ, items = qblocks * a.kv_heads;
@@ -77,14 +81,26 @@ bool supports(const at::Tensor& q) {
   return false;
 }
 
-// (out [n, heads, d], lse [heads, n] float32) of q over k/v; see the top of this file.
+// (out [n, heads, d], lse [heads, n] float32) of q over k/v; see the top of this file. k/v may be a
+// quantized cache's int8 / float8_e4m3fn codes, with k_scale / v_scale float16 [L, kv_heads].
 std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                          double scale, int64_t offset, int64_t window) {
+                                          double scale, int64_t offset, int64_t window,
+                                          const c10::optional<at::Tensor>& k_scale,
+                                          const c10::optional<at::Tensor>& v_scale) {
   const int64_t d = q.size(-1);
   check(q, "q", d);
   check(k, "k", d);
   check(v, "v", d);
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v: one dtype");
+  const int codes = k.scalar_type() == at::kChar ? 1 : k.scalar_type() == at::kFloat8_e4m3fn ? 2 : 0;
+  TORCH_CHECK((codes != 0 || k.scalar_type() == q.scalar_type()) && v.scalar_type() == k.scalar_type(),
+              "q, k, v: one dtype, or k and v int8 / float8_e4m3fn codes");
+  TORCH_CHECK((codes != 0) == (k_scale.has_value() && v_scale.has_value()),
+              "k_scale and v_scale come with int8 / float8_e4m3fn k and v, and only with them");
+  if (codes != 0) {
+    for (const auto* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->scalar_type() == at::kHalf && s->dim() == 2 && s->size(0) == k.size(0) && s->size(1) == k.size(1),
+                  "k_scale / v_scale: float16 [L, kv_heads]");
+  }
   TORCH_CHECK(d == 64 || d == 128, "head size ", d, " is not served (64 or 128)");
   TORCH_CHECK(q.size(1) % k.size(1) == 0 && k.size(0) == v.size(0) && k.size(1) == v.size(1), "shapes disagree");
   TORCH_CHECK(supports(q), "this CPU lacks the instructions for ", q.scalar_type());
@@ -93,6 +109,13 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   Args a{q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr<float>(), q.size(0), k.size(0),
          q.size(1), k.size(1), d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
          offset, window, static_cast<float>(scale)};
+  if (codes != 0) {
+    a.codes = codes;
+    a.ks = k_scale->data_ptr<at::Half>();
+    a.vs = v_scale->data_ptr<at::Half>();
+    a.ks_row = k_scale->stride(0), a.ks_head = k_scale->stride(1);
+    a.vs_row = v_scale->stride(0), a.vs_head = v_scale->stride(1);
+  }
   if (a.n == 0) return {out, lse};
 #if PKV_X86
   if (q.scalar_type() == at::kFloat) {
@@ -107,5 +130,6 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether this CPU runs the kernel for q's dtype");
   m.def("attend", &attend, "causal (offset, window) attention of q over k/v: (out, lse)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset"), py::arg("window") = 0);
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset"), py::arg("window") = 0,
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
 }

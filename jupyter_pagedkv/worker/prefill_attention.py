@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .kv_quant import dequantize
 from .native_build import LazyModule
 from .paged_metadata import PagedMetadata, PrefillChunk
 from .sdpa import attend as sdpa_attend, attend_after_prefix, merge_by_lse, split_prefix_supported
@@ -54,20 +55,31 @@ def problem(device: torch.device, backend: str, dtype: torch.dtype, head_dim: in
 
 
 def attend(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
-           window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+           window: int | None, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`q [n, heads, d]` over `k/v [L, kv_heads, d]`: query i sees key j when j <= i + offset
-    (and j > i + offset - window). Returns (out [n, heads, d], lse [heads, n] float32)."""
-    return module.attend(q, k, v, scale, offset, window or 0)
+    (and j > i + offset - window). Returns (out [n, heads, d], lse [heads, n] float32). k/v may
+    be a quantized cache's int8 / float8_e4m3fn codes with their fp16 scales `[L, kv_heads]`:
+    the kernel dequantizes them as it packs its key and value blocks."""
+    return module.attend(q, k, v, scale, offset, window or 0, k_scale, v_scale)
+
+
+def _scales(chunk: PrefillChunk, scale: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """A quantized cache's scales `[blocks, block_size, kv_heads]` for the chunk's blocks lo .. hi - 1,
+    as `[(hi - lo) * block_size, kv_heads]` (None for a cache in the model's dtype)."""
+    return None if scale is None else chunk.keys(scale.unsqueeze(-1), lo, hi).squeeze(-1)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                       scale: float, window: int | None = None, new_k: torch.Tensor | None = None,
                       new_v: torch.Tensor | None = None, softcap: float | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Every prefill chunk of the step: `query [T, heads, d]` (the whole step's rows); returns
     `out` (`[T, heads, d]`, new when None) with each chunk's rows filled. `new_k`/`new_v` (this
     step's keys and values) let a chunk read its own keys in place instead of gathering them
-    back; only the prefix before a chunk is read from the blocks."""
+    back; only the prefix before a chunk is read from the blocks (a quantized cache's with its
+    scales `k_scale`/`v_scale`: dequantized as gathered for SDPA, by the kernel as it packs them)."""
     out = torch.empty_like(query) if out is None else out
     kernel = meta.prefill_kernel if softcap is None else None
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -76,21 +88,28 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if new_k is not None:      # the chunk's own keys and values, read in place
             own_k, own_v = new_k[s:s + n], new_v[s:s + n]
         else:
-            own_k = k_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
-            own_v = v_cache.view(-1, kvh, d)[meta.slot_mapping[s:s + n]]
+            slots = meta.slot_mapping[s:s + n]
+            own_k = dequantize(k_cache.view(-1, kvh, d)[slots], None if k_scale is None
+                               else k_scale.reshape(-1, kvh)[slots], query.dtype)
+            own_v = dequantize(v_cache.view(-1, kvh, d)[slots], None if v_scale is None
+                               else v_scale.reshape(-1, kvh)[slots], query.dtype)
         cut = window if window is not None and chunk.ctx_len > window else None
         if kernel is not None:
-            out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut)
+            out[s:s + n] = _native_chunk(kernel, query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut,
+                                         k_scale, v_scale)
         else:
-            out[s:s + n] = _sdpa_chunk(query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut, softcap)
+            out[s:s + n] = _sdpa_chunk(query[s:s + n], own_k, own_v, chunk, k_cache, v_cache, scale, cut, softcap,
+                                       k_scale, v_scale)
     return out
 
 
 def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A prefill chunk through the C++ kernel: its own keys causally, then (if the chunk follows a
     prefix) the prefix's keys read where they lie, the two parts merged by their log-sum-exps.
-    Under a sliding window only the prefix blocks some query of the chunk can see are read."""
+    Under a sliding window only the prefix blocks some query of the chunk can see are read. A
+    quantized cache's prefix goes to the kernel as codes with its scales (own keys come dequantized)."""
     n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
     start = ctx - n
     o, lse = attend(kernel, q, own_k, own_v, scale, 0, window)
@@ -101,14 +120,17 @@ def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Ten
     hi = -(-start // bs)
     pk = chunk.keys(k_cache, lo // bs, hi)[:start - lo]
     pv = chunk.keys(v_cache, lo // bs, hi)[:start - lo]
-    o1, lse1 = attend(kernel, q, pk, pv, scale, start - lo, window)
+    ks, vs = (None if c is None else _scales(chunk, c, lo // bs, hi)[:start - lo] for c in (k_scale, v_scale))
+    o1, lse1 = attend(kernel, q, pk, pv, scale, start - lo, window, ks, vs)
     return merge_by_lse(o1, lse1.t(), o, lse.t())       # the kernel's lse is [heads, n]
 
 
 def _sdpa_chunk(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, chunk: PrefillChunk,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
-                softcap: float | None) -> torch.Tensor:
-    """A prefill chunk through torch: `query [n, heads, d]` -> `[n, heads, d]`."""
+                softcap: float | None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill chunk through torch: `query [n, heads, d]` -> `[n, heads, d]`; prefix rows of a
+    quantized cache are dequantized to the query's dtype as they are read."""
     n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
     gqa = query.shape[1] != k_cache.shape[2]
     q = query.transpose(0, 1).unsqueeze(0)      # [1, heads, n, d]
@@ -119,8 +141,8 @@ def _sdpa_chunk(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, c
     elif window is None and softcap is None and split_prefix_supported(query, own_v):
         # After a prefix: every query sees every prefix key, and its own chunk causally.
         start = ctx - n
-        pk = chunk.keys(k_cache, 0, -(-start // bs))[:start].transpose(0, 1).unsqueeze(0)
-        pv = chunk.keys(v_cache, 0, -(-start // bs))[:start].transpose(0, 1).unsqueeze(0)
+        pk = chunk.keys(k_cache, 0, -(-start // bs), k_scale, query.dtype)[:start].transpose(0, 1).unsqueeze(0)
+        pv = chunk.keys(v_cache, 0, -(-start // bs), v_scale, query.dtype)[:start].transpose(0, 1).unsqueeze(0)
         o = attend_after_prefix(q, pk, pv, own_k.transpose(0, 1).unsqueeze(0), own_v.transpose(0, 1).unsqueeze(0),
                                 scale)
     else:
@@ -128,8 +150,8 @@ def _sdpa_chunk(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, c
         # a dense [n, keys] mask over the keys some query of the chunk can see.
         lo = 0 if window is None else max(0, ctx - n - window + 1) // bs * bs
         hi = len(chunk.block_ids)
-        k = chunk.keys(k_cache, lo // bs, hi)[:ctx - lo].transpose(0, 1).unsqueeze(0)
-        v = chunk.keys(v_cache, lo // bs, hi)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+        k = chunk.keys(k_cache, lo // bs, hi, k_scale, query.dtype)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+        v = chunk.keys(v_cache, lo // bs, hi, v_scale, query.dtype)[:ctx - lo].transpose(0, 1).unsqueeze(0)
         qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
         kpos = torch.arange(lo, ctx, device=query.device).view(1, -1)
         mask = kpos <= qpos

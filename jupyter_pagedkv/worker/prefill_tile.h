@@ -15,7 +15,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "kv_codes.h"
 
 #if defined(__x86_64__)
 #define PKV_X86 1
@@ -37,6 +40,12 @@ struct Args {
   float* lse;           // [heads, n]
   int64_t n, L, heads, kv_heads, d, q_row, q_head, k_row, k_head, v_row, v_head, offset, window;
   float scale;
+  // A quantized cache's keys and values (codes: 1 int8, 2 fp8 e4m3; 0: k/v in q's dtype) and
+  // their fp16 scales [L, kv_heads], strides ks_row, ks_head (and vs_...): value = code * scale.
+  int codes = 0;
+  const c10::Half* ks = nullptr;
+  const c10::Half* vs = nullptr;
+  int64_t ks_row = 0, ks_head = 0, vs_row = 0, vs_head = 0;
 };
 
 #if PKV_X86
@@ -81,9 +90,13 @@ struct BF16 {
 // holds, for each lane-pair p of the head dimension, the 64 keys' elements [p*kPair, p*kPair+kPair)
 // side by side. Values likewise, with the pairs taken along the keys (bf16: two keys' elements of
 // one feature share a lane), so the weighting kernel reads a key pair's row as d/16 vectors.
-template <typename E>
+// K: the stored element type, T itself or a quantized cache's code (int8_t, Fp8E4M3), whose
+// values are dequantized here, once per key and feature (code * scale, rounded to T), so the tile
+// loop runs as it does over a cache in the model's dtype.
+template <typename E, typename K = typename E::T>
 void pack(const Args& a, std::vector<typename E::T>& kp, std::vector<typename E::T>& vp) {
   using T = typename E::T;
+  constexpr bool quantized = !std::is_same_v<K, T>;
   constexpr int64_t P = E::kPair;
   const int64_t blocks = (a.L + kK - 1) / kK, d = a.d;
   const int64_t per_block = kK * d;      // elements per packed block of one head
@@ -93,8 +106,8 @@ void pack(const Args& a, std::vector<typename E::T>& kp, std::vector<typename E:
     kp.resize(size);
     vp.resize(size);
   }
-  const T* k = static_cast<const T*>(a.k);
-  const T* v = static_cast<const T*>(a.v);
+  const K* k = static_cast<const K*>(a.k);
+  const K* v = static_cast<const K*>(a.v);
   at::parallel_for(0, a.kv_heads * blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t g = item / blocks, b = item % blocks;
@@ -106,15 +119,25 @@ void pack(const Args& a, std::vector<typename E::T>& kp, std::vector<typename E:
         std::fill(vb, vb + per_block, T(0));
       }
       for (int64_t j = 0; j < keys; ++j) {
-        const T* ks = k + (b * kK + j) * a.k_row + g * a.k_head;
-        const T* vs = v + (b * kK + j) * a.v_row + g * a.v_head;
-        for (int64_t e = 0; e < d; e += P)       // key: [d / P][64 keys][P]
-          for (int64_t i = 0; i < P; ++i) kb[(e * kK + j * P) + i] = ks[e + i];
-        if constexpr (P == 1) {
-          std::memcpy(vb + j * d, vs, d * sizeof(T));     // value: one row per key
+        const int64_t row = b * kK + j;
+        const K* ks = k + row * a.k_row + g * a.k_head;
+        const K* vs = v + row * a.v_row + g * a.v_head;
+        if constexpr (quantized) {
+          const float sk = static_cast<float>(a.ks[row * a.ks_row + g * a.ks_head]);
+          const float sv = static_cast<float>(a.vs[row * a.vs_row + g * a.vs_head]);
+          for (int64_t e = 0; e < d; e += P)
+            for (int64_t i = 0; i < P; ++i) kb[(e * kK + j * P) + i] = T(pkv_codes::widen(ks[e + i]) * sk);
+          T* dst = vb + (j / P) * d * P + j % P;
+          for (int64_t e = 0; e < d; ++e) dst[e * P] = T(pkv_codes::widen(vs[e]) * sv);
         } else {
-          T* dst = vb + (j / P) * d * P + j % P;         // value: [64 / P key pairs][d][P]
-          for (int64_t e = 0; e < d; ++e) dst[e * P] = vs[e];
+          for (int64_t e = 0; e < d; e += P)       // key: [d / P][64 keys][P]
+            for (int64_t i = 0; i < P; ++i) kb[(e * kK + j * P) + i] = ks[e + i];
+          if constexpr (P == 1) {
+            std::memcpy(vb + j * d, vs, d * sizeof(T));     // value: one row per key
+          } else {
+            T* dst = vb + (j / P) * d * P + j % P;         // value: [64 / P key pairs][d][P]
+            for (int64_t e = 0; e < d; ++e) dst[e * P] = vs[e];
+          }
         }
       }
     }

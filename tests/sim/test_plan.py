@@ -38,3 +38,22 @@ def test_a_model_too_big_for_the_gpu_says_what_to_do():
 def test_unknown_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown GPU"):
         plan("Llama-3-8B", "Z80")
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "int8"])
+def test_the_planner_counts_a_quantized_cache_as_the_engine_allocates_it(kind):
+    """The planner's bytes per token with a KV dtype are the engine's own (worker/kv_cache.py's
+    KVSpec, scales included), and the same GPU holds >= 1.9x the bf16 tokens."""
+    import torch
+
+    from jupyter_pagedkv.sim.plan import MODELS
+    from jupyter_pagedkv.worker.kv_cache import KVSpec
+
+    m = MODELS["Llama-3-8B"]
+    spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, torch.bfloat16, kind)
+    quant, dense = plan("Llama-3-8B", kv_cache_dtype=kind), plan("Llama-3-8B")
+    assert quant.kv_bytes_per_token == spec.bytes_per_token
+    assert quant.tokens >= 1.9 * dense.tokens
+    assert f"KV per token ({kind})" in quant.summary()
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        plan("Llama-3-8B", kv_cache_dtype="fp4")

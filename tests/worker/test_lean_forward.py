@@ -194,7 +194,7 @@ def test_the_cpp_loop_lets_other_threads_run_while_it_computes():
             [torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 128) * 0.01)] * layers, [None] * layers,
             torch.zeros(layers, t, 4, heads, d), torch.zeros(layers, t, 4, heads, d), torch.arange(t) * 4,
             torch.arange(t).view(t, 1), torch.ones(t, dtype=torch.int32), heads, heads, d, 128, [0.25] * layers,
-            [0] * layers, [0] * (4 * layers), 16)
+            [0] * layers, [0] * (4 * layers), 16, None, None)       # no KV scales: a model-dtype cache
 
     def spin():
         while not done.is_set():

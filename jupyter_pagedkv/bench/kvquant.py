@@ -1,0 +1,116 @@
+"""`python -m jupyter_pagedkv.bench kvquant`: what a quantized KV cache costs in quality, measured
+on the embedded model through the engine itself (not assumed).
+
+The held-out text is `kvquant_text.txt`, shipped beside this module: the prose paragraphs of this
+project's docs/design.md (written after the model was trained, so it has not seen them), about
+4,500 tokens. For each KV dtype ("auto" = the model's, then fp8_e4m3 and int8) the engine
+teacher-forces windows of the text through its prefill with `prompt_logprobs`, in chunks of
+`--chunk` tokens, so every chunk after the first reads its prefix back from the (quantized) cache:
+
+- perplexity of the text, and its change against the model dtype's;
+- top-1 agreement: the share of positions where the most likely next token is the model dtype's;
+- greedy agreement: `--continuations` greedy continuations of 128 tokens from points of the text,
+  the share of positions equal to the model dtype's, and the tokens before the first difference.
+
+Acceptance (issue 37): fp8 perplexity within 1% of the model dtype's, top-1 agreement >= 97%.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..gpucheck.report import cpu_isa
+
+TEXT = Path(__file__).with_name("kvquant_text.txt")
+KINDS = ("auto", "fp8_e4m3", "int8")
+
+
+@dataclass
+class Teacher:
+    """One KV dtype's teacher-forced pass: the true token's log-probability and the top-1 token
+    at every scored position."""
+
+    logprobs: list[float]
+    top1: list[int]
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-sum(self.logprobs) / len(self.logprobs))
+
+
+def teacher_forced(engine, windows: list[list[int]]) -> Teacher:
+    """Every window as one prompt (max_tokens=1) with prompt_logprobs=1."""
+    from ..core.sampling_params import SamplingParams
+
+    outs = engine.generate(windows, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    lps, top1 = [], []
+    for window, out in zip(windows, outs):
+        for token, position in zip(window[1:], out.prompt_logprobs[1:]):
+            lps.append(position[token].logprob)
+            top1.append(next(t for t, lp in position.items() if lp.rank == 1))
+    return Teacher(lps, top1)
+
+
+def greedy(engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    from ..core.sampling_params import SamplingParams
+
+    return [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                                         ignore_eos=True))]
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
+    """(share of positions equal, mean tokens before the first difference)."""
+    same = sum(a == b for o, r in zip(ours, ref) for a, b in zip(o, r))
+    total = sum(len(r) for r in ref)
+    first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(ours, ref)]
+    return same / total, sum(first) / len(first)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..engine.engine import Engine
+    from ..worker.loader import load_model
+
+    parser = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.bench kvquant", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the model's dtype")
+    parser.add_argument("--tokens", type=int, default=4096, help="text tokens scored (at most the file's)")
+    parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
+    parser.add_argument("--chunk", type=int, default=128, help="prefill chunk (max_num_batched_tokens)")
+    parser.add_argument("--continuations", type=int, default=4, help="greedy continuations of 128 tokens")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    loaded = load_model(None, getattr(torch, args.dtype), torch.device("cpu"))
+    ids = loaded.tokenizer(TEXT.read_text())["input_ids"][:args.tokens]
+    windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window) if len(ids[i:i + args.window]) > 1]
+    starts = [len(ids) * (k + 1) // (args.continuations + 1) for k in range(args.continuations)]
+    prompts = [ids[max(0, s - 64):s] for s in starts]
+    teach, cont, info = {}, {}, {}
+    for kind in KINDS:
+        engine = Engine(loaded.model, loaded.tokenizer, kv_cache_dtype=kind, max_num_batched_tokens=args.chunk,
+                        kv_cache_memory="256MiB")
+        info[kind] = engine.info()
+        teach[kind] = teacher_forced(engine, windows)
+        cont[kind] = greedy(engine, prompts, args.new_tokens)
+        engine.check_invariants()
+        engine.shutdown()
+    base = teach["auto"]
+    print(f"CPU: {cpu_isa()}; torch {torch.__version__}, {torch.get_num_threads()} threads; embedded model in "
+          f"{args.dtype}; text {TEXT.name}: {sum(len(w) - 1 for w in windows):,} scored positions in "
+          f"{len(windows)} windows of <= {args.window}, prefill chunks of {args.chunk}; "
+          f"{args.continuations} greedy continuations of {args.new_tokens}")
+    print("| KV dtype | bytes/token | blocks in 256 MiB | perplexity | vs model dtype | top-1 agreement "
+          "| greedy agreement | tokens before first difference |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in KINDS:
+        t, i = teach[kind], info[kind]
+        top1 = sum(a == b for a, b in zip(t.top1, base.top1)) / len(base.top1)
+        share, first = agreement(cont[kind], cont["auto"])
+        print(f"| {i.kv_dtype} | {i.bytes_per_block // i.block_size:,} | {i.num_blocks:,} | {t.perplexity:.4f} | "
+              f"{t.perplexity / base.perplexity - 1:+.2%} | {top1:.2%} | {share:.2%} | {first:.1f} |")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
