@@ -20,7 +20,7 @@ BENCH = re.compile(r"python -m jupyter_pagedkv\.bench(?:\s+([a-z][\w-]*))?(.*)")
 OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 INLINE_CODE = re.compile(r"`([^`]+)`")  # one backtick: what the docs use around commands
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
-EXTRA_PAGEDKV = ("connect", "disconnect", "tenant")   # dispatched before the main parser
+EXTRA_PAGEDKV = ("connect", "disconnect", "tenant", "record", "replay")   # dispatched before the main parser
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,11 @@ def known_options(command: str) -> set[str] | None:
         return option_strings(parser())
     if word == "disconnect":
         return set()
+    if word == "record":
+        return {"--keep-prompts"}
+    if word == "replay":
+        from jupyter_pagedkv.notebook.lab import _parser
+        return option_strings(_parser())
     if word not in COMMANDS:
         return None
     return option_strings(PagedKVMagics.pagedkv.parser) if word == "load" else set()

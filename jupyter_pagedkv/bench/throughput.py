@@ -49,18 +49,28 @@ from ..sim.workload import chat_requests
 REPO = Path(__file__).resolve().parents[2]
 PEER_VENV = REPO / ".venv-peers"
 OURS = "jupyter-pagedkv"
+RECORDING = "jupyter-pagedkv, recording (engine.record)"
 SINGLE, PADDED, CONTINUOUS = "HF generate, one at a time", "HF generate, padded batches of 8", "HF continuous batching"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def run_ours(model, tokenizer, prompts, limits, step_log: list, **options) -> list[list[int]]:
+def run_ours(model, tokenizer, prompts, limits, step_log: list, record: bool = False, **options) -> list[list[int]]:
     """Our engine, stepped here; `step_log` receives every step's phase timings; `options` are
-    EngineConfig's (e.g. kv_cache_dtype)."""
-    from ..core.sampling_params import SamplingParams
+    EngineConfig's (e.g. kv_cache_dtype); `record`: the whole run under `engine.record()` (in
+    memory), to measure what recording costs."""
+    import contextlib
+
     from ..engine.engine import Engine
 
     engine = Engine(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=2048, **options)
     engine.step_timings = step_log
+    with engine.record() if record else contextlib.nullcontext():
+        return _run_ours(engine, prompts, limits)
+
+
+def _run_ours(engine, prompts, limits) -> list[list[int]]:
+    from ..core.sampling_params import SamplingParams
+
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
            for p, m in zip(prompts, limits)]
     done = {}
@@ -118,6 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="row counts over which the GEMM peak (the fastest pass) is taken")
     ap.add_argument("--step-batch", type=int, default=32, help="sequences in the profiled decode steps")
     ap.add_argument("--step-steps", type=int, default=10, help="decode steps timed, and as many profiled")
+    ap.add_argument("--record", action="store_true",
+                    help="also run our engine recording every request (engine.record), alternating with it: "
+                         "the ratio line is recording's overhead")
     ap.add_argument("--json", type=Path, help="also write the results here (keys: see above)")
     ap.add_argument("--shapes", type=int, default=0, metavar="N",
                     help="instead of the tables above: N seeded workload shapes (short/long outputs, shared/"
@@ -196,6 +209,8 @@ def _throughput(dtype, ours_model, peer_model, tokenizer, prompts, limits, args,
         OURS: (lambda: run_ours(ours_model, tokenizer, prompts, limits, step_log), sum(limits)),
         CONTINUOUS: (lambda: run_hf_continuous(peer_model, prompts, limits), sum(limits)),
     }
+    if args.record:            # the same engine recording every request, in the same rounds
+        systems[RECORDING] = (lambda: run_ours(ours_model, tokenizer, prompts, limits, [], record=True), sum(limits))
     if dtype == "float32":     # the slow peers, kept for the fp32 table only
         systems[SINGLE] = (lambda: run_hf_single(peer_model, prompts[:k], limits[:k]), sum(limits[:k]))
         systems[PADDED] = (lambda: run_hf_padded(peer_model, prompts, limits), sum(limits))
@@ -281,8 +296,8 @@ def _print_report(throughput: dict, long_prompt: dict, gemm: dict, step: dict) -
 
 
 def _warm(name, ours_model, peer_model, tokenizer, prompts) -> None:
-    if name == OURS:
-        run_ours(ours_model, tokenizer, prompts[:2], [4, 4], [])
+    if name in (OURS, RECORDING):
+        run_ours(ours_model, tokenizer, prompts[:2], [4, 4], [], record=name == RECORDING)
     elif name == CONTINUOUS:
         run_hf_continuous(peer_model, prompts[:2], [4, 4])
     elif name == PADDED:

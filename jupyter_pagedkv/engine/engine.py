@@ -38,7 +38,7 @@ from ..worker.packed_linear import should_pack
 from ..worker.padded_decode import PaddedDecode
 from ..worker.plan import PlanOptions, plan_execution
 from ..worker.sampler import Sampler
-from . import chat_template, extensions, intake, setup
+from . import chat_template, extensions, intake, recording, setup
 from .background import StepLoop
 from .block_tables import SeqBlocks
 from .frontend import GenerationFront
@@ -134,9 +134,7 @@ class Engine(GenerationFront):
         """The options this engine was built with (read-only: a new engine takes new ones)."""
         return self._config
 
-    @property
-    def block_size(self) -> int:
-        return self._config.block_size
+    block_size = property(lambda self: self._config.block_size, doc="tokens per KV block")
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -225,6 +223,7 @@ class Engine(GenerationFront):
                 req.listeners.append(listener)
             self._requests[rid] = req
             self._scheduler.add(seq)
+            self._stepping.arrived(req)
             self._work.notify_all()
         return rid
 
@@ -271,9 +270,7 @@ class Engine(GenerationFront):
         return [BeamSearchOutput(r.request_id, r.prompt, r.prompt_token_ids, list(r.beam.sequences))
                 for r in reqs]
 
-    @property
-    def has_chat_template(self) -> bool:
-        return chat_template.has_template(self.tokenizer)
+    has_chat_template = property(lambda self: chat_template.has_template(self.tokenizer))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return chat_template.apply(self.tokenizer, messages)
@@ -296,9 +293,7 @@ class Engine(GenerationFront):
             return self._runner.warm_up(self._warmed_kernels)
 
     # -- background stepping ------------------------------------------------------------------------
-    @property
-    def is_running(self) -> bool:
-        return self._loop.is_running
+    is_running = property(lambda self: self._loop.is_running, doc="whether the background loop steps")
 
     def start(self) -> None:
         """Step in a background thread whenever there is work (cells and widgets share the engine)."""
@@ -362,6 +357,10 @@ class Engine(GenerationFront):
 
     def reset_prefix_cache(self) -> int:
         return self._inspection.reset_prefix_cache()
+
+    def record(self, path=None, keep_prompts: bool = False):
+        """Record every request from now on; a context manager (engine/recording.py, engine/trace.py)."""
+        return recording.start(self, path, keep_prompts)
 
     def why(self, request_id: str | None = None) -> MissReport:
         """Why each prompt block of a request (None: the newest) hit the prefix cache or not."""

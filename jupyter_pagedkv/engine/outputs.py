@@ -14,6 +14,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_generated_tokens: int = 0
+    # The same moments as engine step indices (deterministic: what a replay compares).
+    first_scheduled_step: int | None = None
+    first_token_step: int | None = None
+    finish_step: int | None = None
 
     @property
     def ttft(self) -> float | None:

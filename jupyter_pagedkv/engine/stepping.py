@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -57,6 +57,7 @@ class Stepping:
     device: torch.device
     trace: list[StepRecord] | None = None            # [] records every step's schedule
     step_timings: list[StepTiming] | None = None     # [] times every step's phases
+    recorder: Any = None     # a Recording (engine/recording.py): told of each arrival and end, nothing else
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return outputs of requests that advanced.
@@ -127,6 +128,8 @@ class Stepping:
         for req in touched.values():
             new = req.metrics.num_generated_tokens - req.tokens_counted
             if new:
+                if req.metrics.first_token_step is None:
+                    req.metrics.first_token_step = self.counters.num_steps
                 by_tenant[req.tenant] = by_tenant.get(req.tenant, 0) + new
                 req.tokens_counted = req.metrics.num_generated_tokens
         t1 = time.perf_counter()
@@ -169,7 +172,7 @@ class Stepping:
         for c in sched.chunks:
             req = self._requests[c.seq.request_id]
             if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = t0
+                req.metrics.first_scheduled_time, req.metrics.first_scheduled_step = t0, self.counters.num_steps
             touched[req.request_id] = req
         return touched
 
@@ -254,11 +257,19 @@ class Stepping:
             now - launched, t1 - now, t1 - t0, r.last_h2d_copies, mask_s))
 
     # -- how requests end ---------------------------------------------------------------------------
+    def arrived(self, req: Request) -> None:
+        """A request was queued (under `_lock`): the one call a recording gets on arrival."""
+        if self.recorder is not None:
+            self.recorder.arrived(req)
+
     def _finish_request(self, req: Request, now: float) -> None:
         self._requests.pop(req.request_id, None)
         self.finished_requests.append(req)
         self.counters.record_finish(req.tenant)
+        req.metrics.finish_step = self.counters.num_steps
         self.outputs.finish(req, now)
+        if self.recorder is not None:
+            self.recorder.finished(req)
 
     def abort(self, req: Request) -> None:
         """End a live request now (finish reason "abort") and return its blocks; under `_lock`."""

@@ -53,6 +53,13 @@ jupyter-pagedkv magics (one engine per kernel, shared by every cell):
                                     $NAME, else $VLLM_API_KEY, else $OPENAI_API_KEY (--api-key KEY
                                     works but is saved in the notebook)
   %pagedkv disconnect               back to the kernel's own engine
+  %pagedkv record start|stop [NAME] [--keep-prompts]
+                                    record every request to NAME.jsonl (lengths and block hashes;
+                                    --keep-prompts: token ids too)
+  %pagedkv replay NAME [--vary KEY=V1,V2 ...] [--scale engine|sim|both] [--model M --gpus 2xH100]
+                    [--repeat N] [--at STEP] [--out VAR]
+                                    replay a recording under each combination (allocator, scheduling,
+                                    block_size, prefix_caching, preemption): one table, one figure
   %%generate [options]              generate from the cell; `---` lines separate concurrent prompts,
                                     {name} inserts a variable ({{ and }} are literal braces)
   %%chat [SESSION] [options]        one turn of a multi-turn chat; earlier turns stay in the KV cache
@@ -82,7 +89,7 @@ class PagedKVMagics(Magics):
     def pagedkv(self, line: str) -> None:
         """Load, inspect and release the kernel's paged KV-cache engine. `%pagedkv help` for a tour."""
         words = line.split(None, 1)
-        if words and words[0] in ("bench", "plan", "connect", "disconnect", "tenant", "why"):
+        if words and words[0] in ("bench", "plan", "connect", "disconnect", "tenant", "why", "record", "replay"):
             return getattr(self, "_" + words[0])(words[1] if len(words) > 1 else "")
         args = parse_line(self.pagedkv, line)
         if args.command != "load":
@@ -224,6 +231,14 @@ class PagedKVMagics(Magics):
         back = self.session.engine
         print(f"disconnected from {client.name}; "
               + (f"back to {back.name}" if back is not None else "no local model loaded (`%pagedkv load`)"))
+
+    def _record(self, rest: str) -> None:
+        from .lab import record
+        record(self.session, rest)
+
+    def _replay(self, rest: str) -> None:
+        from .lab import replay
+        replay(self.session, self.shell, rest)
 
     def _plan(self, rest: str) -> None:
         """The capacity planner in-process (it is arithmetic), with its concurrency plot."""
