@@ -95,15 +95,22 @@ def run_hf_continuous(model, prompts, limits) -> list[list[int]]:
 
 
 def run_vllm(model_dir: Path, prompts, limits, repeats: int, dtype: str = "float32") -> dict | None:
-    python = PEER_VENV / "bin" / "python"
     if not (PEER_VENV / ".ok").exists():
         return None
+    return run_peer_vllm(model_dir, [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, limits)],
+                         repeats, dtype, timeout=1800)
+
+
+def run_peer_vllm(model_dir: Path, payload, repeats: int, dtype: str, timeout: int) -> dict | None:
+    """One start of peer_vllm.py in the peer venv on `payload` (its request list, or
+    {"workloads": {name: requests}}); its JSON result, or None (the reason on stderr)."""
+    python = PEER_VENV / "bin" / "python"
     with tempfile.TemporaryDirectory() as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
-        req.write_text(json.dumps([{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, limits)]))
+        req.write_text(json.dumps(payload))
         cmd = [str(python), str(Path(__file__).with_name("peer_vllm.py")), "--model-dir", str(model_dir),
                "--requests", str(req), "--out", str(out), "--dtype", dtype, "--repeats", str(repeats)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():
             print(f"vLLM CPU failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}", file=sys.stderr)
             return None

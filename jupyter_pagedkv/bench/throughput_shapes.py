@@ -20,9 +20,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +27,7 @@ import torch
 
 from . import throughput_report as report
 from ..sim.workload import draw_shapes, shape_requests
-from .throughput import DTYPES, PEER_VENV, parse_args, run_ours
+from .throughput import DTYPES, PEER_VENV, parse_args, run_ours, run_peer_vllm
 
 LIKE_FOR_LIKE = "like for like (dense weights, KV cache in the model's dtype)"
 
@@ -155,19 +152,10 @@ def _table(shapes, work, times_outs, peer: dict | None) -> dict:
 
 def _run_vllm_sets(model_dir: Path, work: dict, repeats: int, dtype: str) -> dict | None:
     """vLLM CPU on every shape in one start of peer_vllm.py (its own venv), or None without it."""
-    python = PEER_VENV / "bin" / "python"
     if not (PEER_VENV / ".ok").exists():
         print(f"vLLM CPU: not measured (no {PEER_VENV}/.ok: run `make bench-peers` first)")
         return None
     print(f"\n{dtype}: vLLM CPU, every shape in one start", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
-        req.write_text(json.dumps({"workloads": {
-            name: [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(*w)] for name, w in work.items()}}))
-        cmd = [str(python), str(Path(__file__).with_name("peer_vllm.py")), "--model-dir", str(model_dir),
-               "--requests", str(req), "--out", str(out), "--dtype", dtype, "--repeats", str(repeats)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
-        if proc.returncode != 0 or not out.exists():
-            print(f"vLLM CPU failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}", file=sys.stderr)
-            return None
-        return json.loads(out.read_text())
+    payload = {"workloads": {name: [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(*w)]
+                             for name, w in work.items()}}
+    return run_peer_vllm(model_dir, payload, repeats, dtype, timeout=7200)
