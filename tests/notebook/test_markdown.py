@@ -152,7 +152,7 @@ def test_beams_are_labelled_as_beams_best_first():
     from jupyter_pagedkv.core.sampling_params import BeamSearchParams
 
     class Engine:
-        def add_request(self, prompt, params, listener=None, tenant=None):
+        def add_request(self, prompt, params, request_id=None, priority=0, listener=None, tenant=None):
             return "req-1"
     run = CellRun(Engine(), ["[1] p"])
     run.submit(["p"], BeamSearchParams(beam_width=2, max_tokens=4))
@@ -204,7 +204,7 @@ class PausingEngine:
         self.release = threading.Event()
         self.listener = None
 
-    def add_request(self, prompt, params, listener, tenant=None):
+    def add_request(self, prompt, params, request_id=None, priority=0, listener=None, tenant=None):
         self.listener = listener
         return "r1"
 
