@@ -1,6 +1,6 @@
 // Unit tests of the monitor's "colour by tenant" mode (jupyter_pagedkv/widgets/static/blockmap.js),
-// run by Node's built-in test runner like blockmap.test.mjs (tests/widgets/test_blockmap_js.py runs
-// both). Frames have the shape of feed.py's Frame.to_state(), with `tenants` ({block: [names]}) and
+// run by Node's built-in test runner like the other blockmap_*.test.mjs (tests/widgets/test_blockmap_js.py
+// runs them all). Frames have the shape of feed.py's Frame.to_state(), with `tenants` ({block: [names]}) and
 // the per-tenant gauges (EngineStats.tenants as dataclasses.asdict gives them).
 import { test } from "node:test";
 import assert from "node:assert/strict";

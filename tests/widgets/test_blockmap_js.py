@@ -1,6 +1,8 @@
-"""Runs the JavaScript unit tests of the monitor's drawing module (`node --test`): blockmap.test.mjs
-(frames, layout, state colours, theme) and blockmap_tenants.test.mjs (the colour-by-tenant mode).
-Outside a browser the code that folds frames and draws the block map runs nowhere else."""
+"""Runs the JavaScript unit tests of the monitor's drawing module (`node --test`), every
+tests/widgets/*.test.mjs: blockmap_frames (folding frames), blockmap_drawing (layout, state colours,
+theme), blockmap_text (status bar, gauges, sparkline, hover) and blockmap_tenants (the
+colour-by-tenant mode). Outside a browser the code that folds frames and draws the block map runs
+nowhere else."""
 from __future__ import annotations
 
 import shutil
@@ -10,9 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+JS_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "widgets").glob("*.test.mjs"))
 
 
-@pytest.mark.parametrize("tests", ["tests/widgets/blockmap.test.mjs", "tests/widgets/blockmap_tenants.test.mjs"])
+@pytest.mark.parametrize("tests", JS_TESTS)
 def test_blockmap_js(tests: str) -> None:
     node = shutil.which("node")
     if node is None:

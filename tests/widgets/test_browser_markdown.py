@@ -10,7 +10,7 @@ holds the stream mid-code-block until the test has looked. Screenshots go to
 test-artifacts/browser/markdown-*.png.
 
 Needs what test_browser_monitor.py needs (Chromium, playwright, jupyterlab); its JupyterLab server
-fixture is reused, with this notebook put there through the contents API.
+fixture (browser_lab.py) is reused, with this notebook put there through the contents API.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from test_browser_monitor import ARTIFACTS, lab, lab_page, run_cell, wait_done  # noqa: F401
+from browser_lab import ARTIFACTS, lab, lab_page, run_cell, wait_done  # noqa: F401
 
 # JupyterLab and Chromium start in the module's first test (its fixtures' setup counts).
 pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1200)]

@@ -8,12 +8,13 @@ data-peak-* attributes, so a quick run is not missed) and none in use, but cache
 Screenshots go to test-artifacts/browser/notebook7-*.png.
 
 The helpers (palette, canvas reading, running a cell, waiting for a cell, a cell's text) come from
-test_browser_monitor.py, the JupyterLab test: Notebook 7 builds its notebook from the same
-JupyterLab components (`.jp-Notebook .jp-Cell`, `.jp-InputPrompt`, `.jp-OutputArea`). What differs
-is the shell: no status bar, so the kernel is idle when the top bar's `.jp-NotebookKernelStatus`
-has left its "Kernel Connecting"/"Kernel Starting" text (only `-fade`, no `-info`/`-warn`/`-error`
-class, no text) and the notebook toolbar's `.jp-Notebook-ExecutionIndicator` reads
-data-status="idle" (that indicator alone says "idle" before any kernel is attached).
+browser_lab.py, shared with test_browser_monitor.py, the JupyterLab test: Notebook 7 builds its
+notebook from the same JupyterLab components (`.jp-Notebook .jp-Cell`, `.jp-InputPrompt`,
+`.jp-OutputArea`). What differs is the shell: no status bar, so the kernel is idle when the top
+bar's `.jp-NotebookKernelStatus` has left its "Kernel Connecting"/"Kernel Starting" text (only
+`-fade`, no `-info`/`-warn`/`-error` class, no text) and the notebook toolbar's
+`.jp-Notebook-ExecutionIndicator` reads data-status="idle" (that indicator alone says "idle"
+before any kernel is attached).
 
 Needs /usr/bin/chromium, playwright, and `notebook>=7` (`pip install -e '.[test]'`); otherwise the
 tests skip and say so. Never `playwright install`.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_browser_monitor import (
+from browser_lab import (
     ARTIFACTS,
     CHROMIUM,
     LAUNCH_ARGS,

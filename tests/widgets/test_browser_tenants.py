@@ -9,7 +9,7 @@ from the rendered result: each tenant's colour on the canvas, blocks split betwe
 the tenant legend and gauges, the hover text; the mode survives new frames. Screenshots go to
 test-artifacts/browser/tenants-*.png.
 
-The server, page and cell helpers come from test_browser_monitor.py; it skips where that one does.
+The server, page and cell helpers come from browser_lab.py; it skips where test_browser_monitor.py does.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import re
 import time
 
 import pytest
-from test_browser_monitor import ARTIFACTS, _why_skip, jupyter_server, lab_page, run_cell, write_notebook
+from browser_lab import ARTIFACTS, _why_skip, jupyter_server, lab_page, run_cell, write_notebook
 
 from jupyter_pagedkv.widgets.pool_figure import STATIC
 
