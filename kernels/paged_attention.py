@@ -237,7 +237,8 @@ def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device,
 def launch_config(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, elem_size: int,
                   max_seq_len: int | None, device: torch.device, *, block_m: int | None = None,
                   tile_n: int | None = None, num_splits: int | None = None,
-                  interpreted: bool | None = None) -> tuple[int, int, int, int]:
+                  interpreted: bool | None = None, quant: bool = False,
+                  head_dim: int = 64) -> tuple[int, int, int, int]:
     """(BLOCK_M, block_q, TILE_N, num_splits) for a launch; host ints only, no device sync.
 
     Decode-only batches use the smallest row tile (16 rows: one token times its query-head group,
@@ -245,6 +246,10 @@ def launch_config(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, ele
     fp32 (exact IEEE products on CUDA cores, no tensor cores) always uses the 16-row tile and
     16-key tiles: the compile check found every larger fp32 tile spilling registers on sm_90 or
     sm_80 (64 rows x 32 keys: 400-5216 bytes per thread); fp32 serves exactness checks, not speed.
+    A quantized cache (`quant`) widens its codes in registers: under the GPU image's Triton 3.6 its
+    16-row tile over 64 keys at head 64 spilled (8 bytes per thread on sm_90, 16 on sm_80), and over
+    32 keys still 8 on sm_90, so it takes 16 keys there (at head 128, 8 warps over 64 keys do not
+    spill: `_num_warps`).
     `interpreted` (default: whether TRITON_INTERPRET is on) picks the interpreter's small tiles;
     the compile check passes False to get what a GPU launches.
     """
@@ -256,7 +261,8 @@ def launch_config(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, ele
     block_m = max(block_m, triton.next_power_of_2(group), 16)
     block_q = block_m // group
     if tile_n is None:
-        tile_n = 32 if interpreted else 16 if elem_size > 2 else 64
+        tile_n = (32 if interpreted else 16 if elem_size > 2
+                  else 16 if quant and block_m == 16 and head_dim <= 64 else 64)
     if num_splits is None:
         grid = (triton.cdiv(num_tokens, block_q) + num_seqs) * kv_heads
         num_splits = 1 if max_seq_len is None else choose_num_splits(grid, max_seq_len, device, tile_n)
@@ -296,7 +302,8 @@ def attention_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     block_m, block_q, tile_n, num_splits = launch_config(
         num_tokens, num_seqs, heads, kv_heads, query.element_size(), max_seq_len, query.device,
-        block_m=block_m, tile_n=tile_n, num_splits=num_splits, interpreted=interpreted)
+        block_m=block_m, tile_n=tile_n, num_splits=num_splits, interpreted=interpreted,
+        quant=k_scale is not None, head_dim=head_dim)
     grid_q = triton.cdiv(num_tokens, block_q) + num_seqs
     # fp32 inputs get exact fp32 products (TF32 would cost ~1e-3 relative error); 16-bit inputs
     # multiply natively with fp32 accumulation.
