@@ -145,6 +145,14 @@ def test_no_lower_priority_runs_while_a_higher_one_that_fits_waits(reqs, block_s
     assert pool.num_used == 0 and (sched.kv.swap is None or sched.kv.swap.num_used == 0)
 
 
+def advance(sched: Scheduler, steps: int) -> None:
+    """Run `steps` steps, each sampled token 1 (nothing finishes: the tests set max_tokens above)."""
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.update_from_output(out, lambda: [SampledTokens(c.seq, [1]) for c in out.chunks if c.samples],
+                                 lambda s, t: s.token_ids.append(t))
+
+
 def crowded(policy: str, swap_slots: int = 0):
     """Low-priority work fills the pool; then one urgent request arrives. Returns what happened to it."""
     rng = random.Random(1)
@@ -152,10 +160,7 @@ def crowded(policy: str, swap_slots: int = 0):
     for k in range(4):
         sched.add(request(pool, f"low{k}", [rng.randrange(1000) for _ in range(16)], 40, float(k), 5))
     finished = []
-    for _ in range(12):
-        out = sched.schedule()
-        sched.update_from_output(out, lambda: [SampledTokens(c.seq, [1]) for c in out.chunks if c.samples],
-                                 lambda s, t: s.token_ids.append(t))
+    advance(sched, 12)
     assert pool.num_free <= 4 and len(sched.running) == 4
     urgent = request(pool, "urgent", [rng.randrange(1000) for _ in range(12)], 4, 50.0, 0)
     sched.add(urgent)
@@ -184,10 +189,7 @@ def test_equal_priorities_never_preempt_each_other():
     pool, sched = make(24, 4, 8, 64, True, 0)
     for k in range(4):
         sched.add(request(pool, f"a{k}", [rng.randrange(1000) for _ in range(16)], 40, float(k), 1))
-    for _ in range(12):
-        out = sched.schedule()
-        sched.update_from_output(out, lambda: [SampledTokens(c.seq, [1]) for c in out.chunks if c.samples],
-                                 lambda s, t: s.token_ids.append(t))
+    advance(sched, 12)
     late = request(pool, "late", [rng.randrange(1000) for _ in range(12)], 4, 50.0, 1)
     sched.add(late)
     out = sched.schedule()
@@ -200,10 +202,7 @@ def test_a_request_too_big_to_fit_preempts_nobody():
     pool, sched = make(24, 4, 8, 64, True, 0)
     sched.add(request(pool, "high-running", [rng.randrange(1000) for _ in range(40)], 40, 0.0, 0))
     sched.add(request(pool, "low", [rng.randrange(1000) for _ in range(16)], 40, 1.0, 5))
-    for _ in range(8):
-        out = sched.schedule()
-        sched.update_from_output(out, lambda: [SampledTokens(c.seq, [1]) for c in out.chunks if c.samples],
-                                 lambda s, t: s.token_ids.append(t))
+    advance(sched, 8)
     big = request(pool, "big", [rng.randrange(1000) for _ in range(60)], 4, 9.0, 1)
     sched.add(big)
     out = sched.schedule()
