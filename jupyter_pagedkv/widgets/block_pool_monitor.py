@@ -4,10 +4,17 @@ The drawing lives in `jupyter_pagedkv/widgets/static/blockmap.js` (and the modul
 same module the JupyterLab side panel imports. State travels in two traits: `base` (a full frame, set on creation and when a view
 asks for one) and `frame` (the latest diff). Each diff names the frame it applies on, so a view
 that missed one asks for a full frame instead of drawing a wrong picture.
+
+A view drawn anew (the output re-rendered when the still image is refreshed after a cell, a
+notebook reopened, a second display) starts from `base`, so `base` is kept fresh: it is set again
+before every display update, and every BASE_REFRESH_S while diffs flow — a view's request for a
+full frame is only answered once the kernel is idle, so without that a view re-rendered during a
+long cell would show the pool as it was when the monitor was made until the cell ends.
 """
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +30,7 @@ if TYPE_CHECKING:
 
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_STILL_BLOCKS = 4096
+BASE_REFRESH_S = 5.0   # how stale a view drawn anew during a busy cell can be, at most
 
 
 def occupancy(snap: dict) -> tuple[int, int]:
@@ -83,15 +91,21 @@ class BlockPoolMonitor(anywidget.AnyWidget):
         self._handles: list = []          # where this monitor was displayed (display ids)
         self._watching = None             # the IPython events this monitor listens to
         self.on_msg(self._on_request)
+        self._base_at = 0.0               # when `base` was last set (time.monotonic())
         self._token = self._feed.subscribe(self._receive)
 
     def _receive(self, frame: Frame | None) -> None:
-        """Called by the feed (its own thread): a full frame becomes `base`, a diff `frame`."""
+        """Called by the feed (its own thread, under its mutex): a full frame becomes `base`, a
+        diff `frame`, except that every BASE_REFRESH_S the pool as of this diff goes to `base`
+        instead (a view applies whichever is newer)."""
         if frame is None:
             self.frame = {"closed": True}
             return
+        now = time.monotonic()
         if frame.full:
-            self.base = frame.to_state()
+            self._set_base(frame, now)
+        elif now - self._base_at >= BASE_REFRESH_S:
+            self._set_base(self._feed.full_frame(), now)
         else:
             self.frame = frame.to_state()
         used, cached = frame.gauges.get("num_used"), frame.gauges.get("num_cached", 0)
@@ -99,6 +113,10 @@ class BlockPoolMonitor(anywidget.AnyWidget):
             engine = getattr(self._feed, "engine", None)
             if engine is not None:     # the pool now, as fresh as the frame (a step may have run since)
                 self._busiest.record(engine.pool_snapshot())
+
+    def _set_base(self, frame: Frame, now: float) -> None:
+        self.base = frame.to_state()
+        self._base_at = now
 
     def _on_request(self, widget, content, buffers) -> None:
         if isinstance(content, dict) and content.get("request") == "resync":
@@ -165,6 +183,9 @@ class BlockPoolMonitor(anywidget.AnyWidget):
         moment = (f"the busiest moment since shown{where}: {used} of {len(snap['states'])} blocks "
                   f"in use, {held - used} cached")
         data, metadata = self._bundle(super()._repr_mimebundle_(), snap, moment)
+        # The update re-renders every view of this output from `base`: make it the pool now, or
+        # the views would flash the pool as it was when `base` was last set until a resync.
+        self._set_base(self._feed.full_frame(), time.monotonic())
         for handle in self._handles:
             handle.update(data, metadata=metadata, raw=True)
 

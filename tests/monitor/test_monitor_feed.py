@@ -212,6 +212,34 @@ def test_the_widget_repr_is_deterministic_and_its_traits_carry_base_and_diffs(ma
     engine.abort(engine.live_requests()[0].request_id)
 
 
+def test_while_diffs_flow_base_is_refreshed_every_few_seconds(make_engine, monkeypatch):
+    """A view drawn anew during a long cell cannot have its resync answered before the cell ends:
+    every BASE_REFRESH_S the pool goes out as `base`, so such a view is never staler than that."""
+    pytest.importorskip("anywidget")
+    from jupyter_pagedkv.widgets import block_pool_monitor
+
+    engine = make_engine(MODEL, block_size=4, num_blocks=64)
+    feed = manual_feed(engine)
+    monitor = engine.monitor()
+    clock = [1000.0]
+    monkeypatch.setattr(block_pool_monitor.time, "monotonic", lambda: clock[0])
+    monitor._base_at = clock[0]
+    engine.add_request(PROMPT, GREEDY)
+    engine.step()
+    feed.publish()
+    assert monitor.frame["seq"] == feed.seq and monitor.base["seq"] < feed.seq    # a diff
+    clock[0] += block_pool_monitor.BASE_REFRESH_S
+    engine.step()
+    feed.publish()
+    assert monitor.base["seq"] == feed.seq > monitor.frame["seq"]                    # the pool, whole
+    assert bytes(monitor.base["codes"]) == bytes(feed.full_frame().codes)
+    engine.step()
+    feed.publish()
+    assert monitor.frame["seq"] == feed.seq == monitor.base["seq"] + 1               # diffs again
+    monitor.close()
+    engine.abort(engine.live_requests()[0].request_id)
+
+
 def test_shutting_the_engine_down_tells_the_monitors(make_engine):
     pytest.importorskip("anywidget")
     engine = make_engine(MODEL, block_size=4, num_blocks=64)
@@ -343,7 +371,12 @@ def test_the_still_image_is_refreshed_to_the_busiest_moment_after_a_cell(make_en
         engine.step()
         feed.publish()
         peak = max(peak, engine.stats().num_used)
+    base_before = monitor.base["seq"]
     monitor._refresh_still(SimpleNamespace(execution_count=7))
+    # The update re-renders the live views from `base`: it must be the pool now, not the pool at
+    # display time (a fast browser drew the empty pool for a moment after every such cell).
+    assert monitor.base["seq"] == feed.seq > base_before
+    assert bytes(monitor.base["codes"]) == bytes(feed.full_frame().codes)
     meta = shown[0].metadata["jupyter_pagedkv"]
     assert meta["blocks_in_use"] == peak > 0 and "cell [7]" in meta["still"]
     assert "application/vnd.jupyter.widget-view+json" in shown[0].data and "image/png" in shown[0].data

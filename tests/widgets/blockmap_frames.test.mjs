@@ -8,6 +8,7 @@ import assert from "node:assert/strict";
 import {
   applyFrame,
   createStore,
+  resyncGate,
 } from "../../jupyter_pagedkv/widgets/static/blockmap.js";
 import { CODE, FREE8, LEGEND, diffFrame, fullFrame, makeGauges, storeAt, u32le } from "./blockmap_fixtures.mjs";
 
@@ -105,6 +106,17 @@ test("after a gap, a fresh full frame lets diffs apply again", () => {
   assert.equal(applyFrame(store, diffFrame({ seq: 9, prev: 8, changes: [[2, "shared", 2]] })), "ok");
   assert.equal(store.seq, 9);
   assert.deepEqual(Array.from(store.codes), [CODE.used, 0, CODE.shared, 0, 0, 0, 0, 0]);
+});
+
+test("a view in a gap asks for a full frame once per interval, and again at once after one came", () => {
+  // Requests queue behind a running cell: one per diff would each be answered with a whole frame.
+  const gate = resyncGate(2000);
+  assert.equal(gate.want(10_000), true);
+  assert.equal(gate.want(10_100), false);
+  assert.equal(gate.want(11_999), false);
+  assert.equal(gate.want(12_000), true);
+  gate.reset();
+  assert.equal(gate.want(12_001), true);
 });
 
 test("a full frame older than the store is stale and changes nothing", () => {

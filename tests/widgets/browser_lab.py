@@ -220,6 +220,25 @@ def wait_done(page, index: int, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
+def seqs_until_done(page, root: str, index: int, timeout: float = 180, after: float = 2.0) -> list[int]:
+    """The frame numbers a view draws (its data-seq), read every few ms until `after` seconds
+    past the end of cell `index` (as wait_done, which it replaces)."""
+    read = ("([sel, i]) => [Number(document.querySelector(sel).dataset.seq),"
+            " document.querySelectorAll('.jp-Notebook .jp-Cell')[i].querySelector('.jp-InputPrompt').innerText.trim()]")
+    seqs: list[int] = []
+    deadline, done_at = time.monotonic() + timeout, None
+    while done_at is None or time.monotonic() - done_at < after:
+        seq, prompt = page.evaluate(read, [root, index])
+        if seq == seq and (not seqs or seq != seqs[-1]):      # NaN before the first draw
+            seqs.append(seq)
+        if done_at is None and re.fullmatch(r"\[\d+\]:", prompt):
+            done_at = time.monotonic()
+        if time.monotonic() > deadline:
+            wait_done(page, index, timeout=0)     # fails with its screenshot
+        time.sleep(0.005)
+    return seqs
+
+
 def cell_text(page, index: int) -> str:
     """The text of a cell's own output area (a `%%generate` cell of several prompts nests output
     widgets, each with an `.jp-OutputArea` of its own, inside it)."""

@@ -33,6 +33,7 @@ from browser_lab import (  # noqa: F401  (lab: a fixture)
     palette,
     reset_peaks,
     run_cell,
+    seqs_until_done,
     wait_done,
     wait_for_peak,
     watch,
@@ -62,7 +63,10 @@ def test_the_widget_shows_blocks_in_use_during_a_run_and_freed_after(page):
     page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "widget-during-run.png"))
     page.screenshot(path=str(ARTIFACTS / "notebook-during-run.png"))
     assert during["peakRunning"] > 0
-    wait_done(page, 3)
+    # The cell's end re-renders the view (its still image is refreshed): it must go on from the
+    # pool now, never back to an older frame (it once drew the empty pool of display time).
+    seqs = seqs_until_done(page, WIDGET_ROOT, 3)
+    assert all(a <= b for a, b in zip(seqs, seqs[1:])), f"the view went back to an older frame: {seqs}"
     after = watch(page, WIDGET_CANVAS, lambda c: c["used"] == 0 and c["shared"] == 0, timeout=30)[-1]
     assert after["cached"] > 0 and after["free"] > 0, after     # finished blocks keep their prefix
     text = cell_text(page, 3)

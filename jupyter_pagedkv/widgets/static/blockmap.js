@@ -6,7 +6,7 @@
 // bundler follows the imports, and the widget's Python side inlines them (widgets/esm.py).
 
 import { COLORS, MODES, colorOf, css, tenantColor, themeOf } from "./palette.js";
-import { applyFrame, createStore, tenantNames } from "./store.js";
+import { applyFrame, createStore, resyncGate, tenantNames } from "./store.js";
 import { drawBlocks, drawSparkline, layout } from "./draw.js";
 import { describe, ensureStyle, escapeHtml, gaugeRows, sparkLabel, swatch, tenantLegend, tenantRows } from "./text.js";
 
@@ -176,9 +176,13 @@ export function mount(el, opts = {}) {
 export default {
   render({ model, el }) {
     const view = mount(el, { title: model.get("title"), height: model.get("height") });
-    const onBase = () => view.apply(model.get("base"));
+    const gate = resyncGate();
+    const onBase = () => {
+      gate.reset();
+      view.apply(model.get("base"));
+    };
     const onFrame = () => {
-      if (view.apply(model.get("frame")) === "gap") model.send({ request: "resync" });
+      if (view.apply(model.get("frame")) === "gap" && gate.want(Date.now())) model.send({ request: "resync" });
     };
     onBase();
     onFrame();

@@ -88,6 +88,23 @@ export function applyFrame(store, frame) {
   return "ok";
 }
 
+/** Whether a view that found a gap asks for a full frame now: at most once per `minGapMs` until
+ * a full frame arrives (`reset`). A request waits behind a running cell, and each one queued would
+ * be answered with a whole frame; the kernel also refreshes `base` every few seconds. */
+export function resyncGate(minGapMs = 2000) {
+  let last = -Infinity;
+  return {
+    want(now) {
+      if (now - last < minGapMs) return false;
+      last = now;
+      return true;
+    },
+    reset() {
+      last = -Infinity;
+    },
+  };
+}
+
 /** The tenants in the order of their colours: EngineStats.tenants' (by name, the unnamed last),
  * then, sorted, any a block names that the gauges do not. */
 export function tenantNames(store) {
