@@ -46,10 +46,12 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64                 # choose_num_splits never returns more; the merge kernel's pad
 # Arguments that change from step to step (or between models sharing a kernel): never specialised.
 _ATTENTION_RUNTIME = ["num_seqs", "window", "stride_bt", "num_heads", "group", "block_q", "num_splits",
-                      "block_shift"]
+                      "block_shift", "fresh"]
 # Step inputs may be views at any 4-byte offset of one staging buffer (worker/input_staging.py):
 # their addresses' alignment must not pick a variant either.
-STEP_INPUTS = ["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"]
+# This step's keys and values (`new_k_ptr`, `new_v_ptr`) are slices of the layer's projections,
+# at whatever offset the fused projection puts them.
+STEP_INPUTS = ["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "new_k_ptr", "new_v_ptr"]
 
 
 @triton.jit
@@ -68,12 +70,13 @@ def _sequence_of_program(query_start_loc_ptr, pid, num_seqs, block_q):
 
 @triton.jit(do_not_specialize=_ATTENTION_RUNTIME, do_not_specialize_on_alignment=STEP_INPUTS)
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, new_k_ptr, new_v_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale_log2, num_seqs, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh, fresh,
     stride_bt, num_heads, group, block_q, num_splits, block_shift,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
@@ -130,21 +133,36 @@ def _paged_attention_kernel(
         k_ok = k_pos < kv_hi
         block = tl.load(table + (k_pos >> block_shift), mask=k_ok, other=0).to(tl.int64)
         slot = k_pos & ((1 << block_shift) - 1)
+        if QUANT:   # a chunk of 2+ tokens attends its own keys as computed (`fresh`), the rest as stored
+            own_lo = tl.where((q_len > 1).to(tl.int32) * fresh != 0, first_pos, kv_hi)
+            own = k_ok & (k_pos >= own_lo)
+            cached = k_ok & (k_pos < own_lo)
+        else:
+            cached = k_ok
         k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
                     + kv_head * stride_kh + dims[:, None],
-                    mask=k_ok[None, :] & dim_ok[:, None], other=0.0)          # [D, N]
+                    mask=cached[None, :] & dim_ok[:, None], other=0.0)        # [D, N]
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
                     + kv_head * stride_vh + dims[None, :],
-                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)          # [N, D]
+                    mask=cached[:, None] & dim_ok[None, :], other=0.0)        # [N, D]
         p_type = v.dtype
         if QUANT:   # codes widen exactly to the query's dtype; each key's scale is applied in fp32
             at = block * stride_sb + slot * stride_ss + kv_head
-            k_scale = tl.load(k_scale_ptr + at, mask=k_ok, other=0.0).to(tl.float32) * scale_log2
-            v_scale = tl.load(v_scale_ptr + at, mask=k_ok, other=0.0).to(tl.float32)
+            k_scale = tl.load(k_scale_ptr + at, mask=cached, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + at, mask=cached, other=0.0).to(tl.float32)
             p_type = out_ptr.dtype.element_ty      # the query's dtype (q may be fp32 in DOT_FP32)
-            if not DOT_FP32:                        # (there the codes go to fp32 just below)
-                k = k.to(p_type)
-                v = v.to(p_type)
+            row = (q_begin + k_pos - first_pos).to(tl.int64)   # the own keys' rows of this step
+            k_new = tl.load(new_k_ptr + row[None, :] * stride_nkt + kv_head * stride_nkh + dims[:, None],
+                            mask=own[None, :] & dim_ok[:, None], other=0.0)
+            v_new = tl.load(new_v_ptr + row[:, None] * stride_nvt + kv_head * stride_nvh + dims[None, :],
+                            mask=own[:, None] & dim_ok[None, :], other=0.0)
+            # Codes widen exactly to the query's dtype; under DOT_FP32 (the interpreter's bf16,
+            # whose integer-to-bf16 conversion it gets wrong) straight to fp32, as exactly.
+            w_type = tl.float32 if DOT_FP32 else p_type
+            k = tl.where(own[None, :], k_new.to(w_type), k.to(w_type))
+            v = tl.where(own[:, None], v_new.to(w_type), v.to(w_type))
+            k_scale = tl.where(own, 1.0, k_scale) * scale_log2
+            v_scale = tl.where(own, 1.0, v_scale)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -286,12 +304,16 @@ def attention_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        num_splits: int | None = None, block_m: int | None = None,
                        tile_n: int | None = None, interpreted: bool | None = None,
                        k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None) -> list[KernelLaunch]:
+                       v_scale: torch.Tensor | None = None, new_k: torch.Tensor | None = None,
+                       new_v: torch.Tensor | None = None) -> list[KernelLaunch]:
     """The launches `paged_attention` makes (attention, then the merge when split), argument for
     argument. Allocates the split partials on the query's device (a meta device allocates nothing:
     the compile check builds these on meta tensors). A quantized cache (int8 / float8_e4m3fn
     codes) comes with its fp16 scales `[blocks, block_size, kv_heads]` (`QUANT`: the tiles' codes
-    widen to the query's dtype, each key's scale multiplies its score and its value's weight)."""
+    widen to the query's dtype, each key's scale multiplies its score and its value's weight), and
+    with `new_k`/`new_v` (this step's keys and values `[T, kv_heads, head_dim]` in the query's
+    dtype) a chunk of two or more tokens attends its own keys from them, unquantized; without
+    them every key is read from the cache (a runtime switch: no extra variant)."""
     if interpreted is None:
         interpreted = interpreting()
     num_tokens, heads, head_dim = query.shape
@@ -328,15 +350,22 @@ def attention_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     else:
         k_scale = v_scale = k_cache                # never touched
+    fresh = quant and new_k is not None
+    if fresh:
+        assert new_k.dtype == new_v.dtype == query.dtype and new_k.shape == (num_tokens, kv_heads, head_dim)
+        assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1
+    else:
+        new_k = new_v = query                      # never touched (fresh = 0)
     launches = [KernelLaunch(
         _paged_attention_kernel, (grid_q, kv_heads, num_splits),
-        (out, query, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+        (out, query, k_cache, v_cache, k_scale, v_scale, new_k, new_v, block_tables, seq_lens, query_start_loc,
          part_acc, part_max, part_sum,
          scale * LOG2E, num_seqs, sliding_window if use_window else 0,
          query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
          k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0,
+         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), int(fresh),
          block_tables.stride(0), heads, group, block_q, num_splits, block_size.bit_length() - 1),
         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
              BLOCK_M=block_m, TILE_N=tile_n, SPLIT=split, USE_WINDOW=use_window,
@@ -357,9 +386,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     max_seq_len: int | None = None, sliding_window: int | None = None,
                     num_splits: int | None = None, block_m: int | None = None,
                     tile_n: int | None = None, out: torch.Tensor | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `query [T, heads, head_dim]` over a paged cache `[blocks, block_size, kv_heads,
-    head_dim]`, quantized or not (`k_scale`/`v_scale`); same contract as `reference.paged_attention`.
+    head_dim]`, quantized or not (`k_scale`/`v_scale`, and `new_k`/`new_v` for the chunks' own
+    keys); same contract as `reference.paged_attention`.
 
     `max_seq_len` (a host int) sizes the split-K decision without a device sync; `num_splits`,
     `block_m` and `tile_n` override the heuristics (tests use them to reach every path).
@@ -379,6 +410,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for launch in attention_launches(query, k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, scale, out, max_seq_len=max_seq_len,
                                      sliding_window=sliding_window, num_splits=num_splits,
-                                     block_m=block_m, tile_n=tile_n, k_scale=k_scale, v_scale=v_scale):
+                                     block_m=block_m, tile_n=tile_n, k_scale=k_scale, v_scale=v_scale,
+                                     new_k=new_k, new_v=new_v):
         launch.run()
     return out

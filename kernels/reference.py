@@ -30,7 +30,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, new_k: torch.Tensor | None = None,
+                    new_v: torch.Tensor | None = None) -> torch.Tensor:
     """The plain definition, one sequence at a time in fp32: the oracle for every faster path
     (the Triton kernel and the engine's torch path).
 
@@ -38,7 +39,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens[i] tokens whose KV sits in blocks block_tables[i, :]; its queries are the last
     tokens of that context. A query at position p sees keys 0 .. p, and with a sliding window
     only those in (p - window, p] (the Hugging Face rule). A quantized cache comes with its
-    scales `[blocks, block_size, kv_heads]` and is read as its dequantized values.
+    scales `[blocks, block_size, kv_heads]` and is read as its dequantized values, except that with
+    `new_k`/`new_v` (this step's rows `[T, kv_heads, d]`) a sequence with two or more query rows
+    (a prefill chunk) attends its own keys and values from them, as computed: a chunk's attention
+    among its own tokens is the model dtype's, what it reads back from earlier steps is quantized.
     """
     if k_scale is not None:
         k_cache, v_cache = dequantize(k_cache, k_scale), dequantize(v_cache, v_scale)
@@ -52,6 +56,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         blocks = block_tables[i, :-(-ctx // bs)].long()
         k = k_cache[blocks].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, 1)
         v = v_cache[blocks].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, 1)
+        if new_k is not None and k_scale is not None and e - s > 1:
+            k[ctx - (e - s):] = new_k[s:e].float().repeat_interleave(heads // kvh, 1)
+            v[ctx - (e - s):] = new_v[s:e].float().repeat_interleave(heads // kvh, 1)
         q_pos = torch.arange(ctx - (e - s), ctx).view(-1, 1)
         k_pos = torch.arange(ctx).view(1, -1)
         allowed = k_pos <= q_pos

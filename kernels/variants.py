@@ -68,10 +68,14 @@ def model_launches(shape: AttentionShape, device: torch.device | str = "meta", *
         query = torch.zeros(tokens, s.heads, s.head_dim, dtype=s.dtype, device=device)
         seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
         query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
+        rows = {}
+        if scales:      # as the engine calls it: this step's keys and values, for prefill chunks
+            rows = dict(new_k=torch.zeros(tokens, s.kv_heads, s.head_dim, dtype=s.dtype, device=device))
+            rows["new_v"] = torch.zeros_like(rows["new_k"])
         launches = attention_launches(
             query, k_cache, v_cache, table[:seqs], seq_lens, query_start_loc, s.head_dim ** -0.5,
             torch.empty_like(query), max_seq_len=2 * s.block_size, sliding_window=s.window,
-            num_splits=splits, interpreted=interpreted, **scales)
+            num_splits=splits, interpreted=interpreted, **scales, **rows)
         out.append((role, launches[0]))
         if splits > 1 and role == "decode split":
             out.append(("merge", launches[1]))

@@ -89,27 +89,25 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
         from .kernels_bridge import paged_attention_triton, write_kv_triton
         # A quantized cache: the write kernel quantizes (kv_quant.quantize's ops), attention reads codes.
         write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale, k, v)
     if k_scale is None:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.all_slots_valid)
     else:
-        # The chunks then attend their own keys as the cache holds them (quantized and back).
-        k, v = write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, meta)
+        write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, meta)
+    # A quantized cache: prefill chunks attend their own keys as computed (`k`, `v`), decode rows
+    # read theirs back from the cache (docs/design.md, "Quantized KV cache").
     return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, k, v, softcap, k_scale, v_scale)
 
 
 def write_kv_quantized(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                       key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """`write_kv` for a quantized cache (kv_quant.py): rows with slot -1 are not written; returns
-    this step's keys and values dequantized, as a later read of their slots gives them."""
+                       key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata) -> None:
+    """`write_kv` for a quantized cache (kv_quant.py): rows with slot -1 are not written."""
     slots = meta.slot_mapping
-    if meta.all_slots_valid or not bool((slots < 0).any()):
-        return write_quantized(k_cache, v_cache, k_scale, v_scale, key, value, slots, meta.kv_cache.spec.kv_cache_dtype)
-    keep = slots >= 0
-    k_read, v_read = key.clone(), value.clone()
-    k_read[keep], v_read[keep] = write_quantized(k_cache, v_cache, k_scale, v_scale, key[keep], value[keep],
-                                                 slots[keep], meta.kv_cache.spec.kv_cache_dtype)
-    return k_read, v_read
+    kind = meta.kv_cache.spec.kv_cache_dtype
+    if not (meta.all_slots_valid or not bool((slots < 0).any())):
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep]
+    write_quantized(k_cache, v_cache, k_scale, v_scale, key, value, slots, kind)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -65,13 +65,16 @@ def triton_available(device: torch.device | str) -> bool:
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta, scale: float, window: int | None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, new_k: torch.Tensor | None = None,
+                           new_v: torch.Tensor | None = None) -> torch.Tensor:
     """`q [T, heads, head_dim]` over one layer's cache, described by a `PagedMetadata` (a quantized
-    cache with its scales, `KVCache.layer_scales`)."""
+    cache with its scales, `KVCache.layer_scales`, and this step's keys and values `new_k`/`new_v`,
+    which prefill chunks attend unquantized)."""
     max_seq_len = meta.max_seq_len or None
     return kernel_module("paged_attention").paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-        max_seq_len=max_seq_len, sliding_window=window, k_scale=k_scale, v_scale=v_scale)
+        max_seq_len=max_seq_len, sliding_window=window, k_scale=k_scale, v_scale=v_scale,
+        new_k=new_k, new_v=new_v)
 
 
 def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,

@@ -57,17 +57,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
 
 
 def write_quantized(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                    key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize `key/value [n, kv_heads, d]` into their slots (every slot valid) with their scales;
-    returns the rows dequantized, exactly what a later read of those slots gives (a chunk attends
-    its own keys from these, so a sequence reads the same numbers however it was chunked)."""
+                    key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str) -> None:
+    """Quantize `key/value [n, kv_heads, d]` into their slots (every slot valid) with their scales.
+    (The step's prefill chunks attend these rows as computed, not as stored: worker/attention.py.)"""
     kvh, d = k_cache.shape[-2:]
-    out = []
     for cache, scales, x in ((k_cache, k_scale, key), (v_cache, v_scale, value)):
         q, s = quantize(x, kv_cache_dtype)
         # index_copy_ has no float8 kernel on the CPU: copy the bytes (a bit-exact move).
         cache.view(-1, kvh, d).view(torch.uint8).index_copy_(0, slot_mapping, q.view(torch.uint8))
         scales.view(-1, kvh).index_copy_(0, slot_mapping, s)
-        out.append(dequantize(q, s, x.dtype))
-    return out[0], out[1]

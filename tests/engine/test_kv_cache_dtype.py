@@ -1,21 +1,17 @@
 """An engine with a quantized KV cache (kv_cache_dtype "fp8_e4m3", "int8") against an independent
-torch reference: transformers' own greedy generate whose attention quantizes and dequantizes every
-key and value row exactly as the format says (no blocks, no paging): so preemption (swap and
-recompute), prefix-cache hits, forks (copy-on-write) and chunked prefill must all give its tokens.
-And the cost of quantizing, loosely bounded against the unquantized model."""
+oracle: transformers' own model replaying the engine's schedule, with an attention that reads every
+earlier position quantized and dequantized exactly as the format says (tests/kvq_reference.py), so
+preemption (swap and recompute), prefix-cache hits, forks (copy-on-write) and chunked prefill must
+all give its tokens. And the cost of quantizing, loosely bounded against the unquantized model."""
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from conftest import tiny_model
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.testing.models import attention, random_prompts
-from jupyter_pagedkv.worker.kv_quant import dequantize, quantize
+from jupyter_pagedkv.testing.models import random_prompts
+from kvq_reference import Oracle
 
 MODEL = tiny_model("llama-gqa64", seed=3)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -23,31 +19,13 @@ PROMPTS = random_prompts(4, 256, seed=5, lo=20, hi=60)
 QUANTIZED = ("fp8_e4m3", "int8")
 
 
-def _fake_quantized(kind: str):
-    def forward(module, query, key, value, attention_mask, **kwargs):
-        key = dequantize(*quantize(key, kind), key.dtype)          # rows [b, kv_heads, T, head_dim]
-        value = dequantize(*quantize(value, kind), value.dtype)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return forward
-
-
-for _kind in QUANTIZED:
-    AttentionInterface.register(f"kvq_reference_{_kind}", _fake_quantized(_kind))
-
-
-@torch.inference_mode()
-def reference(kind: str, prompt: list[int], max_new_tokens: int = GREEDY.max_tokens) -> list[int]:
-    with attention(MODEL, f"kvq_reference_{kind}"):
-        ids = torch.tensor([prompt])
-        out = MODEL.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=[], pad_token_id=0,
-                             temperature=None, top_p=None, top_k=None)
-    return out[0, len(prompt):].tolist()
-
-
-@functools.cache
-def expected(kind: str) -> list[list[int]]:
-    return [reference(kind, p) for p in PROMPTS]
+def generate_and_replay(engine, oracle: Oracle, prompts, params):
+    """The engine's outputs, and the oracle's tokens on the engine's own schedule, per (request, sample)."""
+    engine.trace = []
+    outs = engine.generate(prompts, params)
+    ours = {(o.request_id, c.index): c.token_ids for o in outs for c in o.outputs}
+    theirs = oracle.replay(engine.trace, {o.request_id: o.prompt_token_ids for o in outs})
+    return outs, ours, theirs
 
 
 # Each path once, the two formats shared out between them (the plumbing does not depend on the
@@ -57,12 +35,23 @@ def expected(kind: str) -> list[list[int]]:
     ("fp8_e4m3", dict(num_blocks=16, preemption_mode="swap", swap_space="4MiB")),  # swap preemption
     ("int8", dict(num_blocks=16, preemption_mode="recompute", max_num_batched_tokens=16)),  # recompute
 ], ids=["fp8-chunked", "fp8-swap", "int8-recompute-chunked"])
-def test_greedy_tokens_equal_the_fake_quantized_reference(make_engine, kind, options):
+def test_greedy_tokens_equal_the_oracle_on_the_engines_schedule(make_engine, kind, options):
     engine = make_engine(MODEL, block_size=4, kv_cache_dtype=kind, **options)
-    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == expected(kind)
+    _, ours, theirs = generate_and_replay(engine, Oracle(MODEL, kind), PROMPTS, GREEDY)
+    assert ours == theirs
+    chunks = [c for record in engine.trace for c in record.chunks]
+    if "max_num_batched_tokens" in options:   # prefill chunks after the first read earlier ones back
+        assert any(start > 0 and n > 1 for _, _, start, n, _ in chunks)
     if "num_blocks" in options:
         assert engine._scheduler.num_preemptions > 0
         assert (engine._scheduler.num_swap_outs > 0) == (options["preemption_mode"] == "swap")
+    if options.get("preemption_mode") == "recompute":
+        # A sequence went back: computed again from 0, or from its own prefix blocks still cached.
+        done, went_back = {}, False
+        for rid, index, start, n, _ in chunks:
+            went_back |= start < done.get((rid, index), 0)
+            done[(rid, index)] = start + n
+        assert went_back
 
 
 @pytest.mark.parametrize("kind", ["int8"])
@@ -70,13 +59,18 @@ def test_prefix_hits_and_forks_read_the_same_quantized_blocks(make_engine, kind)
     engine = make_engine(MODEL, block_size=4, kv_cache_dtype=kind)
     shared = PROMPTS[0][:24]
     prompts = [shared + [7, 8, 9], shared + [10, 11]]
-    first = engine.generate(prompts[:1], GREEDY)[0].token_ids
-    again = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, n=2))
+    oracle = Oracle(MODEL, kind)
+    _, first, first_oracle = generate_and_replay(engine, oracle, prompts[:1], GREEDY)
+    assert first == first_oracle
+    outs, again, again_oracle = generate_and_replay(
+        engine, oracle, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, n=2))
     assert engine.stats().prefix_cache_hits > 0
+    assert min(start for record in engine.trace for rid, _, start, _, _ in record.chunks
+               if rid == outs[1].request_id) == 24          # the second prompt's first chunk: a hit
     info = engine.info()        # 2 layers x 2 KV heads x 2 (K, V) x (64 bytes + a 2-byte scale)
     assert info.kv_phrase == "KV int8, 528 bytes per token" and " in int8 with a float16 scale" in info.summary
-    assert [first, first] == [c.token_ids for c in again[0].outputs]     # a fork: two copies, CoW
-    assert [first] + [again[1].outputs[0].token_ids] == [reference(kind, p) for p in prompts]
+    assert [c.token_ids for c in outs[0].outputs] == [list(first.values())[0]] * 2   # a fork: two copies, CoW
+    assert again == again_oracle
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)

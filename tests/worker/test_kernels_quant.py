@@ -22,17 +22,33 @@ def quantize_batch(kernels, b, kind: str):
     return b
 
 
-def run_quantized(kernels, b, **options):
+def own_rows(b) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's keys and values `[T, kv_heads, d]`, unquantized: each sequence's query rows are
+    the last positions of its context, whose rows the batch's unquantized cache holds."""
+    bs = b.k_cache.shape[1]
+    blocks, slots = [], []
+    for i in range(len(b.seq_lens)):
+        s, e, ctx = int(b.query_start_loc[i]), int(b.query_start_loc[i + 1]), int(b.seq_lens[i])
+        for pos in range(ctx - (e - s), ctx):
+            blocks.append(int(b.block_tables[i, pos // bs]))
+            slots.append(pos % bs)
+    return b.k_cache[blocks, slots], b.v_cache[blocks, slots]
+
+
+def run_quantized(kernels, b, fresh: bool = True, **options):
+    """As the engine calls it: with this step's own rows (prefill chunks attend them unquantized)."""
+    new_k, new_v = own_rows(b) if fresh else (None, None)
     return kernels.attention.paged_attention(b.query, b.k_codes, b.v_codes, b.block_tables, b.seq_lens,
                                              b.query_start_loc, b.scale, k_scale=b.k_scale, v_scale=b.v_scale,
-                                             **options)
+                                             new_k=new_k, new_v=new_v, **options)
 
 
-def dequantized_reference(kernels, b, sliding_window=None):
+def dequantized_reference(kernels, b, sliding_window=None, fresh: bool = True):
+    new_k, new_v = (t.cpu() for t in own_rows(b)) if fresh else (None, None)
     return kernels.reference.paged_attention(
         b.query.cpu().float(), b.k_codes.cpu(), b.v_codes.cpu(), b.block_tables.cpu(), b.seq_lens.cpu(),
         b.query_start_loc.cpu(), b.scale, sliding_window=sliding_window, k_scale=b.k_scale.cpu(),
-        v_scale=b.v_scale.cpu())
+        v_scale=b.v_scale.cpu(), new_k=new_k, new_v=new_v)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
@@ -47,6 +63,14 @@ def test_mixed_batch_over_a_quantized_cache_matches_the_dequantized_reference(ke
     out = run_quantized(kernels, b)
     assert out.dtype == dtype and out.shape == b.query.shape
     assert max_error(out, dequantized_reference(kernels, b)) <= QUANT_TOLERANCE[dtype]
+    if dtype == torch.float32:      # without this step's rows, every key is read from the cache
+        stored = dequantized_reference(kernels, b, fresh=False)
+        assert max_error(run_quantized(kernels, b, fresh=False), stored) <= QUANT_TOLERANCE[dtype]
+        # The two rules differ, and only in the prefill chunks' rows (the decode rows read it all).
+        rows = [r for i in (1, 3) for r in range(int(b.query_start_loc[i]), int(b.query_start_loc[i + 1]))]
+        assert max_error(out[rows], stored[rows]) > 10 * QUANT_TOLERANCE[dtype]
+        decode = [int(b.query_start_loc[i]) for i in (0, 2)]
+        assert max_error(out[decode], stored[decode]) <= QUANT_TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
