@@ -267,7 +267,9 @@ def launch_config(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, ele
     A quantized cache (`quant`) widens its codes in registers: under the GPU image's Triton 3.6 its
     16-row tile over 64 keys at head 64 spilled (8 bytes per thread on sm_90, 16 on sm_80), and over
     32 keys still 8 on sm_90, so it takes 16 keys there (at head 128, 8 warps over 64 keys do not
-    spill: `_num_warps`).
+    spill: `_num_warps`). Its prefill tile also loads this step's own rows beside the codes (a
+    chunk attends them unquantized): at head 128 the 64-row tile then spilled on sm_80 (40-144
+    bytes per thread, over 16, 32 or 64 keys alike), so there it takes 32 rows (none spill).
     `interpreted` (default: whether TRITON_INTERPRET is on) picks the interpreter's small tiles;
     the compile check passes False to get what a GPU launches.
     """
@@ -275,7 +277,8 @@ def launch_config(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, ele
         interpreted = interpreting()
     group = heads // kv_heads
     if block_m is None:
-        block_m = 16 if num_tokens == num_seqs or interpreted or elem_size > 2 else 64
+        block_m = (16 if num_tokens == num_seqs or interpreted or elem_size > 2
+                   else 32 if quant and head_dim > 64 else 64)
     block_m = max(block_m, triton.next_power_of_2(group), 16)
     block_q = block_m // group
     if tile_n is None:
