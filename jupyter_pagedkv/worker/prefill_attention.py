@@ -109,7 +109,8 @@ def _native_chunk(kernel, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Ten
     """A prefill chunk through the C++ kernel: its own keys causally, then (if the chunk follows a
     prefix) the prefix's keys read where they lie, the two parts merged by their log-sum-exps.
     Under a sliding window only the prefix blocks some query of the chunk can see are read. A
-    quantized cache's prefix goes to the kernel as codes with its scales (own keys come dequantized)."""
+    quantized cache's prefix goes to the kernel as codes with its scales; the chunk's own keys go as
+    computed (unquantized: docs/design.md, "Quantized KV cache")."""
     n, ctx, bs = chunk.q_len, chunk.ctx_len, k_cache.shape[1]
     start = ctx - n
     o, lse = attend(kernel, q, own_k, own_v, scale, 0, window)
@@ -150,8 +151,12 @@ def _sdpa_chunk(query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, c
         # a dense [n, keys] mask over the keys some query of the chunk can see.
         lo = 0 if window is None else max(0, ctx - n - window + 1) // bs * bs
         hi = len(chunk.block_ids)
-        k = chunk.keys(k_cache, lo // bs, hi, k_scale, query.dtype)[:ctx - lo].transpose(0, 1).unsqueeze(0)
-        v = chunk.keys(v_cache, lo // bs, hi, v_scale, query.dtype)[:ctx - lo].transpose(0, 1).unsqueeze(0)
+        k = chunk.keys(k_cache, lo // bs, hi, k_scale, query.dtype)[:ctx - lo]
+        v = chunk.keys(v_cache, lo // bs, hi, v_scale, query.dtype)[:ctx - lo]
+        if k_scale is not None:     # the chunk attends its own keys as computed, not as stored
+            k = torch.cat([k[:ctx - lo - n], own_k.to(k.dtype)])
+            v = torch.cat([v[:ctx - lo - n], own_v.to(v.dtype)])
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         qpos = torch.arange(ctx - n, ctx, device=query.device).view(-1, 1)
         kpos = torch.arange(lo, ctx, device=query.device).view(1, -1)
         mask = kpos <= qpos

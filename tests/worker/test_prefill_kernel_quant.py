@@ -10,6 +10,7 @@ import pytest
 import torch
 from kv_codes import dequantize, quantize
 from test_prefill_attention import TOLERANCE, expected, laid_out_consecutively, prefill_batch
+from test_prefill_attention import reference as definition
 from test_prefill_kernel import DTYPES, assert_native_refused, kernel_for, reference
 
 from jupyter_pagedkv.worker import prefill_attention
@@ -78,3 +79,21 @@ def test_codes_without_scales_are_refused():
         prefill_attention.attend(module, torch.randn(4, 2, 64), codes, codes, 0.125, 6, None)
     with pytest.raises(RuntimeError, match="float16 \\[L, kv_heads\\]"):
         prefill_attention.attend(module, torch.randn(4, 2, 64), codes, codes, 0.125, 6, None, scales.float(), scales)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("window", [None, 30])
+def test_the_torch_path_attends_each_chunks_own_rows_as_computed(kind, window):
+    """SDPA, no C++ kernel: a chunk that starts its sequence, chunks after a prefix (the split path)
+    and, under a window that cuts, the dense-mask path all read the prefix quantized and the
+    chunk's own rows as computed, as the plain definition does with `new_k`/`new_v`."""
+    g = torch.Generator().manual_seed(11)
+    chunks = [(0, 90), (48, 40), (37, 20), (150, 2)]
+    query, k_cache, v_cache, meta, new_k, new_v = prefill_batch(chunks, 6, 2, 64, 16, torch.float32, g)
+    (kq, ks), (vq, vs) = quantize(k_cache, kind), quantize(v_cache, kind)
+    meta.prefill_kernel = None
+    scale = 64 ** -0.5
+    out = prefill_attention.prefill_attention(query, kq, vq, meta, scale, window, new_k, new_v, k_scale=ks, v_scale=vs)
+    want = definition.paged_attention(query.float(), kq, vq, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      scale, sliding_window=window, k_scale=ks, v_scale=vs, new_k=new_k, new_v=new_v)
+    assert (out.float() - want).abs().max().item() <= TOLERANCE[torch.float32]
