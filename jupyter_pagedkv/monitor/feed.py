@@ -180,6 +180,12 @@ class MonitorFeed:
             except Exception:   # that front end is gone already
                 logger.debug("monitor feed: a subscriber failed on close", exc_info=True)
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held, the feed's thread sends nothing: a caller can take a full frame and act on it
+        (a widget setting it as its base) before any newer frame goes out."""
+        return self._mutex
+
     def full_frame(self) -> Frame:
         """Everything as last published (diffs continue from here)."""
         with self._mutex:

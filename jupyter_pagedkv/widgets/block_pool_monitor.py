@@ -92,6 +92,8 @@ class BlockPoolMonitor(anywidget.AnyWidget):
         self._watching = None             # the IPython events this monitor listens to
         self.on_msg(self._on_request)
         self._base_at = 0.0               # when `base` was last set (time.monotonic())
+        # A whole frame is ~6 bytes a block: a big pool's goes out less often (100,000 blocks: 25 s).
+        self._base_every = max(BASE_REFRESH_S, n / 4000)
         self._token = self._feed.subscribe(self._receive)
 
     def _receive(self, frame: Frame | None) -> None:
@@ -104,7 +106,7 @@ class BlockPoolMonitor(anywidget.AnyWidget):
         now = time.monotonic()
         if frame.full:
             self._set_base(frame, now)
-        elif now - self._base_at >= BASE_REFRESH_S:
+        elif now - self._base_at >= self._base_every:
             self._set_base(self._feed.full_frame(), now)
         else:
             self.frame = frame.to_state()
@@ -184,8 +186,10 @@ class BlockPoolMonitor(anywidget.AnyWidget):
                   f"in use, {held - used} cached")
         data, metadata = self._bundle(super()._repr_mimebundle_(), snap, moment)
         # The update re-renders every view of this output from `base`: make it the pool now, or
-        # the views would flash the pool as it was when `base` was last set until a resync.
-        self._set_base(self._feed.full_frame(), time.monotonic())
+        # the views would flash the pool as it was when `base` was last set until a resync. Under
+        # the feed's lock, so the feed's thread cannot set a newer base in between.
+        with self._feed.lock:
+            self._set_base(self._feed.full_frame(), time.monotonic())
         for handle in self._handles:
             handle.update(data, metadata=metadata, raw=True)
 

@@ -32,7 +32,8 @@ def own_rows(b) -> tuple[torch.Tensor, torch.Tensor]:
         for pos in range(ctx - (e - s), ctx):
             blocks.append(int(b.block_tables[i, pos // bs]))
             slots.append(pos % bs)
-    return b.k_cache[blocks, slots], b.v_cache[blocks, slots]
+    # Laid out as the engine passes them: head-major views of the projection (stride(1) = T * d).
+    return tuple(c[blocks, slots].transpose(0, 1).contiguous().transpose(0, 1) for c in (b.k_cache, b.v_cache))
 
 
 def run_quantized(kernels, b, fresh: bool = True, **options):

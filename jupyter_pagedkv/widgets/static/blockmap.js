@@ -182,7 +182,7 @@ export default {
       view.apply(model.get("base"));
     };
     const onFrame = () => {
-      if (view.apply(model.get("frame")) === "gap" && gate.want(Date.now())) model.send({ request: "resync" });
+      if (view.apply(model.get("frame")) === "gap" && gate.want(performance.now())) model.send({ request: "resync" });
     };
     onBase();
     onFrame();
