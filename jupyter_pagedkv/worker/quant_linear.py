@@ -38,7 +38,7 @@ SUPPORTED: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0
 DENSE_FROM_ROWS = 8
 
 _EXTENSION = LazyModule("jupyter_pagedkv_quant_gemm",
-                        [Path(__file__).with_name(n) for n in ("quant_gemm_module.cpp", "quant_gemm.cpp")],
+                        [Path(__file__).with_name(n) for n in ("quant_gemm_module.cpp", "quant_gemm.cpp", "quant_dot.cpp")],
                         "the packed-weight GEMM", "weights='dense'", ["-O3", "-ffp-contract=off", "-fopenmp"],
                         ["-fopenmp"])
 
