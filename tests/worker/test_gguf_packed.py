@@ -184,6 +184,7 @@ def test_the_embedded_model_holds_about_its_gguf_files_size(packed_embedded):
 
 @pytest.mark.slow
 def test_packed_logits_match_transformers_dequantized_model(packed_embedded, embedded):
+    """Whole sequences in one call: every GEMM has >= DENSE_FROM_ROWS rows, fp32 activations."""
     model, tokenizer = packed_embedded
     reference, _ = embedded
     agree = total = 0
@@ -200,17 +201,75 @@ def test_packed_logits_match_transformers_dequantized_model(packed_embedded, emb
     assert agree / total >= 0.95
 
 
+# How far int8-activation decode may move a logit of the embedded model from transformers'
+# dequantized model (max over positions, and mean): see the test below for why.
+DECODE_LOGIT_MAX, DECODE_LOGIT_MEAN = 1.5, 0.25
+
+
+def decode_logits(model, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Logits predicting ids[:, start:] as an engine computes them: the prompt ids[:, :start] in one
+    call (fp32 activations), then one token per call (int8 activations)."""
+    with torch.inference_mode():
+        out = model(ids[:, :start], use_cache=True)
+        logits, cache = [out.logits[0, -1]], out.past_key_values
+        for i in range(start, ids.shape[1] - 1):
+            out = model(ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1])
+            cache = out.past_key_values
+    return torch.stack(logits)
+
+
+@pytest.mark.slow
+def test_packed_decode_logits_match_transformers_dequantized_model(packed_embedded, embedded):
+    """#37's acceptance for int8-activation decode, on chat prompts shaped like the throughput
+    workloads (sim/workload.py: a ~300-450 token system prompt and a question, the four corners).
+
+    Tolerance, and why: decode rounds each activation to int8 per 32-element block, at most 1/254 of
+    the block's largest value; the file's Q4_1 weights are rounded to 1/15 of each block's range (up
+    to 1/30 off), ~8x coarser, so the model's own quantization moves logits several times more than
+    this. Measured (4 prompts x 32 tokens, 2026-12-02): max |logit difference| 0.84-0.99, mean
+    0.13-0.15, against logits spanning ~-35..37; bounds 1.5 (max) and 0.25 (mean) leave room for
+    another CPU's fp32 sums, not for a wrong kernel (one bad block moves logits by whole units).
+    Greedy agreement, teacher-forced on transformers' own continuation: 97.7% measured, >= 95% asked."""
+    from jupyter_pagedkv.sim.workload import draw_shapes, shape_requests
+    model, tokenizer = packed_embedded
+    reference, _ = embedded
+    agree = total = 0
+    for shape in draw_shapes(4, seed=0):
+        messages = shape_requests(shape)[0].messages
+        ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)])
+        with torch.inference_mode():
+            continuation = reference.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=2)
+            ref = reference(continuation).logits[0, ids.shape[1] - 1:-1]
+        ours = decode_logits(model, continuation, ids.shape[1])
+        diff = (ours - ref).abs()
+        assert diff.max().item() < DECODE_LOGIT_MAX and diff.mean().item() < DECODE_LOGIT_MEAN, shape.name
+        agree += int((ours.argmax(-1) == continuation[0, ids.shape[1]:]).sum())
+        total += ours.shape[0]
+    assert agree / total >= 0.95
+
+
 @pytest.mark.slow
 def test_an_engine_on_packed_weights_runs_the_lean_loop_and_matches_generate(packed_embedded, embedded,
                                                                               make_engine):
-    from conftest import assert_same_or_near_tie, hf_greedy
+    """The engine's greedy tokens against two oracles: the packed model's own `generate`, one prompt
+    at a time as the engine is given them here (the same kernels through transformers' loop: these
+    short prompts' prefill and every decode step have fewer than DENSE_FROM_ROWS rows, all int8;
+    identical but for at most one prompt where fp32 sums flip a tie), and transformers' dequantized
+    model (fp32 activations throughout), which ours may leave only where its top-2 gap is under
+    2 x DECODE_LOGIT_MAX: int8 activations move each logit by less than DECODE_LOGIT_MAX, so no wider
+    gap can flip. (All four prompts in one engine call would prefill 8+ rows in fp32: other numerics.)"""
+    from conftest import compare_with_oracle, hf_greedy
     from jupyter_pagedkv import SamplingParams
     model, tokenizer = packed_embedded
     reference, _ = embedded
     engine = make_engine(model, tokenizer)
     assert "lean loop" in engine.info().summary and "GGUF blocks (Q4_1, Q8_0" in engine.info().summary
     prompts = [tokenizer(t).input_ids for t in PROMPTS]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
-    identical = [assert_same_or_near_tie(reference, p, o.token_ids, hf_greedy(reference, p, 16, stop_at_eos=True))
-                 for p, o in zip(prompts, outs)]
-    assert sum(identical) >= len(prompts) - 1
+    outs = [engine.generate([p], SamplingParams(max_tokens=16, temperature=0.0))[0] for p in prompts]
+    own = [o.token_ids == hf_greedy(model, p, 16, stop_at_eos=True) for p, o in zip(prompts, outs)]
+    assert sum(own) >= len(prompts) - 1
+    for p, o in zip(prompts, outs):
+        found = compare_with_oracle(reference, p, o.token_ids, hf_greedy(reference, p, 16, stop_at_eos=True))
+        assert found.identical or (found.gap is not None and found.gap < 2 * DECODE_LOGIT_MAX), found
