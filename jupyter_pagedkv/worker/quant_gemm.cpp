@@ -267,12 +267,16 @@ at::Tensor quant_linear_isa(const at::Tensor& x, const at::Tensor& blocks, int64
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   const std::string isa = isa_name == "auto" ? quant_dot::best_here() : isa_name;
+  if (isa_name != "auto") {        // a forced variant this CPU lacks is refused on either path
+    const auto here = quant_variants();
+    TORCH_CHECK(std::find(here.begin(), here.end(), isa) != here.end(), "quant_gemm: this CPU cannot run the ",
+                isa, " variant (it runs: ", c10::Join(", ", here), ")");
+  }
   if (dense_from_rows > 0 && rows >= dense_from_rows) {
     // Prefill: dequantizing each weight once per call and ATen's GEMM beat re-reading the blocks
     // per row tile; a cache-sized tile at a time beats the whole fp32 weight written out and read back.
     // Every variant name but the generic ones uses the AVX2 dequantization (the same bits).
     const bool generic = isa == "generic" || isa == "f32-generic";
-    TORCH_CHECK(generic || has_avx2(), "quant_gemm: this CPU has no AVX2/FMA/F16C");
     auto y = tiled_dense(x2, blocks, kind, k, !generic);
     if (bias.has_value()) y.add_(*bias);
     return y.view(shape);
