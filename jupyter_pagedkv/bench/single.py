@@ -137,7 +137,8 @@ class LlamaCpp:
 
 def compare_gemms(reps: int = 7) -> None:
     """The GEMM choice for packed weights, measured: one activation row through the embedded
-    model's first gate projection (1536 x 576, Q4_1) by our kernel, torch's int4 and int8
+    model's first gate projection (1536 x 576, Q4_1) by our kernel (each int8-activation variant this
+    CPU runs, and the best fp32-activation one: the decode path before quant_dot.cpp), torch's int4 and int8
     weight-only CPU ops (random quants of the same shape and group size) and oneDNN's fp32 GEMM
     on the dequantized weight; alternating, median and best of `reps` runs of 50 calls."""
     import gguf
@@ -153,13 +154,17 @@ def compare_gemms(reps: int = 7) -> None:
     g = torch.Generator().manual_seed(0)
     int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g), 1)
     scales = torch.rand(k // 32, n, 2, generator=g) * 0.01
-    int8, scale8 = torch.randint(-127, 127, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g) * 0.01
+    int8w, scale8 = torch.randint(-127, 127, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g) * 0.01
     onednn = torch.ops.mkldnn._reorder_linear_weight(w)
     x = torch.randn(1, k, generator=g)
-    calls = {"ours, Q4_1 blocks (quant_gemm.cpp)": lambda: ops.quant_linear(x, blocks, 3, None, 16),
-             "aten._weight_int4pack_mm_for_cpu": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, 32, scales),
-             "aten._weight_int8pack_mm": lambda: torch.ops.aten._weight_int8pack_mm(x, int8, scale8),
-             "oneDNN fp32, dequantized weight": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")}
+    variants = list(ops.quant_variants())
+    int8 = [v for v in variants if not v.startswith("f32")]
+    int8 = int8[1:] or int8                  # the portable variant only where there is no other
+    calls = {f"ours, int8 activations ({v})": (lambda v=v: ops.quant_linear_isa(x, blocks, 3, None, 16, v)) for v in int8}
+    calls[f"ours, fp32 activations ({variants[-1]})"] = lambda: ops.quant_linear_isa(x, blocks, 3, None, 16, variants[-1])
+    calls["aten._weight_int4pack_mm_for_cpu"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, 32, scales)
+    calls["aten._weight_int8pack_mm"] = lambda: torch.ops.aten._weight_int8pack_mm(x, int8w, scale8)
+    calls["oneDNN fp32, dequantized weight"] = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
     times: dict[str, list[float]] = {name: [] for name in calls}
     for f in calls.values():
         f()
@@ -171,7 +176,7 @@ def compare_gemms(reps: int = 7) -> None:
             times[name].append((time.perf_counter() - start) / 50 * 1e6)
     print(f"one row x {n}x{k} weight, {torch.get_num_threads()} threads:")
     for name, ts in times.items():
-        print(f"  {name:36s} median {statistics.median(ts):8.1f} us, best {min(ts):8.1f} us")
+        print(f"  {name:40s} median {statistics.median(ts):8.1f} us, best {min(ts):8.1f} us")
 
 
 def decode_rate(r: dict, tokens: int) -> float:

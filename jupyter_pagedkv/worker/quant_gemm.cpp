@@ -5,17 +5,26 @@
 //   Q4_1: 20 bytes per 32 weights: fp16 d, fp16 m, 16 bytes nibbles;  w = d * q + m
 //   Q8_0: 34 bytes per 32 weights: fp16 d, 32 int8;                   w = d * q
 // In a block, byte j's low nibble is weight j and its high nibble weight j + 16 (ggml's order).
-// Activations stay fp32 and are never quantized: the result is the dequantized model's GEMM up to
-// the rounding of fp32 sums (the generic variant multiplies the dequantized weights; the AVX2 one
-// factors each block's scale and offset out of its dot product). Few rows (decode) stream the blocks;
-// many rows (prefill, batched decode) dequantize the weight a tile of output features at a time into
-// a cache-sized fp32 scratch and run ATen's GEMM on each tile, so the fp32 weight never exists whole
-// (writing it out to memory and reading it back cost more than the GEMM itself: see quant_linear.py).
+//
+// Two paths, by the number of activation rows:
+// - Few rows (decode; fewer than `dense_from_rows`): each activation row is quantized to int8 per
+//   32-element block and multiplied with the blocks' quants by integer dot products, one fp32
+//   multiply per block (quant_dot.cpp: its numerics, its ISA variants and their run-time choice).
+//   The result is the dequantized weights times the int8-rounded activations, up to fp32 rounding.
+// - Many rows (prefill, batched decode): activations stay fp32. The weight is dequantized a tile of
+//   output features at a time into a cache-sized fp32 scratch and ATen's GEMM runs on each tile, so
+//   the fp32 weight never exists whole (writing it out to memory and reading it back cost more than
+//   the GEMM itself: see quant_linear.py). The result is the dequantized model's GEMM up to fp32 sums.
+// The few-rows kernels with fp32 activations (the decode path before quant_dot.cpp) are kept as the
+// "f32-generic" / "f32-avx2" variants: the reference tests and `bench single --gemms` compare with.
 #include "quant_gemm.h"
+
+#include "quant_dot.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -161,19 +170,19 @@ __attribute__((target("avx2,fma,f16c"))) inline void dequant_block_avx2(int64_t 
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + 8 * i, _mm256_fmadd_ps(q[i], d, m));
 }
 
-enum class Isa { kAuto, kAvx2, kGeneric };
-
-using RowsFn = void (*)(const Args&, int64_t, int64_t);
-
 bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-RowsFn pick(Isa isa) {
-  if ((isa == Isa::kAuto || isa == Isa::kAvx2) && has_avx2()) return &rows_avx2;
-  TORCH_CHECK(isa != Isa::kAvx2, "quant_gemm: this CPU has no AVX2/FMA/F16C");
-  return &rows_generic;
+using RowsFn = void (*)(const Args&, int64_t, int64_t);
+
+// The fp32-activation few-rows kernel of an "f32-..." variant name.
+RowsFn pick_f32(const std::string& isa) {
+  TORCH_CHECK(isa != "f32-avx2" || has_avx2(), "quant_gemm: this CPU has no AVX2/FMA/F16C");
+  return isa == "f32-avx2" ? &rows_avx2 : &rows_generic;
 }
+
+bool is_f32(const std::string& isa) { return isa == "f32-generic" || isa == "f32-avx2"; }
 
 // Rows [begin, end) of the fp32 weight into `out` (row stride k).
 void dequant_rows(const uint8_t* w, int64_t kind, int64_t k, int64_t row_bytes, int64_t begin, int64_t end,
@@ -246,8 +255,9 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
 at::Tensor quant_linear_isa(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                             const c10::optional<at::Tensor>& bias, int64_t dense_from_rows,
                             const std::string& isa_name) {
-  TORCH_CHECK(isa_name == "auto" || isa_name == "avx2" || isa_name == "generic", "isa: auto, avx2 or generic");
-  const Isa isa = isa_name == "avx2" ? Isa::kAvx2 : isa_name == "generic" ? Isa::kGeneric : Isa::kAuto;
+  const auto& int8 = quant_dot::all_variants();
+  TORCH_CHECK(isa_name == "auto" || is_f32(isa_name) || std::find(int8.begin(), int8.end(), isa_name) != int8.end(),
+              "isa: auto, ", c10::Join(", ", int8), ", f32-generic or f32-avx2; got ", isa_name);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_gemm: activations must be float32, got ", x.scalar_type());
   const int64_t k = x.size(-1);
   check(blocks, kind, k);
@@ -256,22 +266,40 @@ at::Tensor quant_linear_isa(const at::Tensor& x, const at::Tensor& blocks, int64
   const int64_t rows = x2.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
+  const std::string isa = isa_name == "auto" ? quant_dot::best_here() : isa_name;
+  if (isa_name != "auto") {        // a forced variant this CPU lacks is refused on either path
+    const auto here = quant_variants();
+    TORCH_CHECK(std::find(here.begin(), here.end(), isa) != here.end(), "quant_gemm: this CPU cannot run the ",
+                isa, " variant (it runs: ", c10::Join(", ", here), ")");
+  }
   if (dense_from_rows > 0 && rows >= dense_from_rows) {
     // Prefill: dequantizing each weight once per call and ATen's GEMM beat re-reading the blocks
     // per row tile; a cache-sized tile at a time beats the whole fp32 weight written out and read back.
-    pick(isa);   // the same refusal as below when an absent ISA is forced
-    auto y = tiled_dense(x2, blocks, kind, k, isa != Isa::kGeneric && has_avx2());
+    // Every variant name but the generic ones uses the AVX2 dequantization (the same bits).
+    const bool generic = isa == "generic" || isa == "f32-generic";
+    auto y = tiled_dense(x2, blocks, kind, k, !generic);
     if (bias.has_value()) y.add_(*bias);
     return y.view(shape);
   }
   auto out = at::empty({rows, n}, x.options());
-  auto xsum = x2.view({rows, k / 32, 32}).sum(-1).contiguous();
-  Args a{x2.data_ptr<float>(), xsum.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(),
-         rows, n, k, kind, blocks.size(1)};
-  const RowsFn fn = pick(isa);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
+  if (is_f32(isa)) {
+    auto xsum = x2.view({rows, k / 32, 32}).sum(-1).contiguous();
+    Args a{x2.data_ptr<float>(), xsum.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(),
+           rows, n, k, kind, blocks.size(1)};
+    const RowsFn fn = pick_f32(isa);
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
+  } else {
+    quant_dot::linear(x2, blocks, kind, out, isa);
+  }
   if (bias.has_value()) out.add_(*bias);
   return out.view(shape);
+}
+
+std::vector<std::string> quant_variants() {
+  std::vector<std::string> v = quant_dot::variants_here();
+  v.push_back("f32-generic");
+  if (has_avx2()) v.push_back("f32-avx2");
+  return v;
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,

@@ -5,10 +5,11 @@
 #include "quant_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "x @ W^T from GGUF blocks (Q4_0, Q4_1, Q8_0), fp32",
+  m.def("quant_linear", &quant_linear, "x @ W^T from GGUF blocks (Q4_0, Q4_1, Q8_0); fp32 in and out",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_linear_isa", &quant_linear_isa, "the same, one ISA variant forced (tests)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("quant_variants", &quant_variants, "the variants quant_linear_isa can run on this CPU");
   m.def("quant_dequantize", &quant_dequantize, "the fp32 weight the GEMM computes with",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -8,9 +8,12 @@ Which GEMM, by measurement (`python -m jupyter_pagedkv.bench single --gemms`: on
 the embedded model's 1536x576 gate projection, 2-core AVX2 EPYC, one thread, a loaded machine,
 2026-12-02): this kernel 1.9 ms median, oneDNN's fp32 GEMM on the dequantized weight 2.2 ms, torch's
 `_weight_int8pack_mm` 11.6 ms and `_weight_int4pack_mm_for_cpu` 25.4 ms (their fast paths want
-AVX-512). So a small C++ kernel here reads the blocks in place and multiplies each block's quants
-into fp32 sums. Activations are not quantized (llama.cpp quantizes them to 8 bits): the result is
-the dequantized model's GEMM up to fp32 rounding.
+AVX-512). So a small C++ kernel here reads the blocks in place. For decode (fewer than
+DENSE_FROM_ROWS rows) it quantizes each activation row to int8 per 32-element block, as llama.cpp
+does, and multiplies with the blocks' quants by integer dot products (quant_dot.cpp): the result
+is the dequantized weights times the int8-rounded activations, each activation off by at most
+half its block's step. Prefill keeps fp32 activations: the dequantized model's GEMM up to fp32
+rounding (quant_gemm.cpp says which path runs when, and why).
 
 Supported block types: Q4_0, Q4_1, Q8_0 (`SUPPORTED`). The weight is a uint8 buffer `blocks`
 [out_features, in_features / 32 * block bytes], not a parameter: nothing trains it.
@@ -38,7 +41,7 @@ SUPPORTED: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0
 DENSE_FROM_ROWS = 8
 
 _EXTENSION = LazyModule("jupyter_pagedkv_quant_gemm",
-                        [Path(__file__).with_name(n) for n in ("quant_gemm_module.cpp", "quant_gemm.cpp")],
+                        [Path(__file__).with_name(n) for n in ("quant_gemm_module.cpp", "quant_gemm.cpp", "quant_dot.cpp")],
                         "the packed-weight GEMM", "weights='dense'", ["-O3", "-ffp-contract=off", "-fopenmp"],
                         ["-fopenmp"])
 
@@ -57,7 +60,8 @@ def block_kind(type_name: str) -> tuple[int, int]:
 
 
 class QuantLinear(nn.Module):
-    """`x @ W^T (+ bias)` with W held as GGUF blocks; fp32 in, fp32 out."""
+    """`x @ W^T (+ bias)` with W held as GGUF blocks; fp32 in, fp32 out (int8 activations inside
+    for fewer than DENSE_FROM_ROWS rows)."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int,
                  bias: torch.Tensor | None = None) -> None:
