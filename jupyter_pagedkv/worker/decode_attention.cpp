@@ -27,6 +27,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -50,7 +51,15 @@ PAGEDKV_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
 PAGEDKV_INLINE float to_float(int8_t x) { return static_cast<float>(x); }
 
 using pkv_codes::Fp8E4M3;
-PAGEDKV_INLINE float to_float(Fp8E4M3 b) { return pkv_codes::widen(b); }
+// e4m3 codes through a 1 KiB table of `widen`'s values (the same floats, bit for bit): in the
+// dot and axpy loops below, the arithmetic form did not vectorise, and decode over an fp8 cache
+// ran 13x slower than over int8 (9.96 against 0.76 ms a layer at 16 sequences of 500 tokens).
+const std::array<float, 256> kFp8Values = [] {
+  std::array<float, 256> t{};
+  for (int c = 0; c < 256; ++c) t[c] = pkv_codes::widen(Fp8E4M3{static_cast<uint8_t>(c)});
+  return t;
+}();
+PAGEDKV_INLINE float to_float(Fp8E4M3 b) { return kFp8Values[b.x]; }
 
 // T: the query's element type; K: the cache's (T itself, or a quantized code with scales).
 template <typename T, typename K>
