@@ -127,13 +127,14 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if QUANT:   # a chunk of 2+ tokens attends its own keys as computed (`fresh`), the rest as stored
+        own_lo = tl.where((q_len > 1).to(tl.int32) * fresh != 0, first_pos, kv_hi)
     for t in range(tile_lo, tile_hi):
         k_pos = kv_lo + t * TILE_N + tl.arange(0, TILE_N)
         k_ok = k_pos < kv_hi
         block = tl.load(table + (k_pos >> block_shift), mask=k_ok, other=0).to(tl.int64)
         slot = k_pos & ((1 << block_shift) - 1)
-        if QUANT:   # a chunk of 2+ tokens attends its own keys as computed (`fresh`), the rest as stored
-            own_lo = tl.where((q_len > 1).to(tl.int32) * fresh != 0, first_pos, kv_hi)
+        if QUANT:
             own = k_ok & (k_pos >= own_lo)
             cached = k_ok & (k_pos < own_lo)
         else:

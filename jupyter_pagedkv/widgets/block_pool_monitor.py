@@ -7,7 +7,8 @@ that missed one asks for a full frame instead of drawing a wrong picture.
 
 A view drawn anew (the output re-rendered when the still image is refreshed after a cell, a
 notebook reopened, a second display) starts from `base`, so `base` is kept fresh: it is set again
-before every display update, and every BASE_REFRESH_S while diffs flow — a view's request for a
+before every display update, and every `_base_every` seconds while diffs flow (BASE_REFRESH_S,
+longer for a big pool) — a view's request for a
 full frame is only answered once the kernel is idle, so without that a view re-rendered during a
 long cell would show the pool as it was when the monitor was made until the cell ends.
 """
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_STILL_BLOCKS = 4096
-BASE_REFRESH_S = 5.0   # how stale a view drawn anew during a busy cell can be, at most
+BASE_REFRESH_S = 5.0   # how stale a view drawn anew during a busy cell can be, at most (small pools)
 
 
 def occupancy(snap: dict) -> tuple[int, int]:
@@ -98,7 +99,7 @@ class BlockPoolMonitor(anywidget.AnyWidget):
 
     def _receive(self, frame: Frame | None) -> None:
         """Called by the feed (its own thread, under its mutex): a full frame becomes `base`, a
-        diff `frame`, except that every BASE_REFRESH_S the pool as of this diff goes to `base`
+        diff `frame`, except that every `_base_every` seconds the pool as of this diff goes to `base`
         instead (a view applies whichever is newer)."""
         if frame is None:
             self.frame = {"closed": True}

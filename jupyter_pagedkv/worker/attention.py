@@ -22,14 +22,22 @@ from .prefill_attention import prefill_attention
 ATTN_IMPLEMENTATION = "jupyter_pagedkv"
 
 
+def valid_rows(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+               all_valid: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows to store: those whose slot is not -1 (padding). `all_valid` says the caller knows
+    there is none, sparing a check and a sync per layer."""
+    if all_valid or not bool((slots < 0).any()):
+        return key, value, slots
+    keep = slots >= 0
+    return key[keep], value[keep], slots[keep]
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor, all_valid: bool = False) -> None:
-    """Store key/value rows `[num_tokens, kv_heads, head_dim]` into their slots (-1 skips a row;
-    `all_valid` says the caller knows there is none, sparing a check and a sync per layer)."""
+    """Store key/value rows `[num_tokens, kv_heads, head_dim]` into their slots (-1 skips a row:
+    `valid_rows`)."""
     kvh, d = k_cache.shape[-2:]
-    if not all_valid and bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key, value, slot_mapping = valid_rows(key, value, slot_mapping, all_valid)
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
 
@@ -102,11 +110,8 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
 def write_kv_quantized(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                        key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata) -> None:
     """`write_kv` for a quantized cache (kv_quant.py): rows with slot -1 are not written."""
-    slots = meta.slot_mapping
     kind = meta.kv_cache.spec.kv_cache_dtype
-    if not (meta.all_slots_valid or not bool((slots < 0).any())):
-        keep = slots >= 0
-        key, value, slots = key[keep], value[keep], slots[keep]
+    key, value, slots = valid_rows(key, value, meta.slot_mapping, meta.all_slots_valid)
     write_quantized(k_cache, v_cache, k_scale, v_scale, key, value, slots, kind)
 
 
