@@ -1,11 +1,20 @@
 // A decode-only engine step through Llama-shaped layers, in C++ (see native_decode.py for why).
 //
-// Every line calls the ATen op the Python lean loop (lean_forward.py) calls, with the same
-// arguments in the same order, so the results are bit for bit the lean loop's, which are the
-// model's own. Only the Python between the ops is gone. Keep the two in step: the runner proves
-// them equal on its first decode step and keeps the Python loop if they are not.
+// Every line computes what the Python lean loop (lean_forward.py) computes, with the same
+// roundings in the same order, so the results are bit for bit the lean loop's, which are the
+// model's own. Only the Python between the ops is gone, and, for fp32 activations, the ATen calls
+// for elementwise steps: a decode token's ~25 small ops a layer cost ~2-4 us each in dispatch and
+// allocation, more than their arithmetic. Those are plain loops here, each rounding exactly where
+// the ATen op it replaces rounds (one multiply, add or divide per rounding; -ffp-contract=off, so
+// no fused multiply-add merges two). Reductions and transcendental functions (the norm's mean,
+// SiLU's exp) stay ATen's own, whose summation order and approximations a loop would not match.
+// Keep the two in step: the runner proves them equal on its first decode step and keeps the
+// Python loop if they are not.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <cstring>
 
 #include "decode_attention.h"
 #include "quant_gemm.h"
@@ -64,6 +73,101 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
 }
 
+// --- fp32 activations: the elementwise steps as loops (see the top of the file) ---
+
+// rms_norm for fp32 h [T, hidden]: ATen's mean of squares, then x * (1 / sqrt(mean + eps)) and
+// weight * that, rounded as `x * rsqrt(...)` and `weight * x` round (rsqrt is 1 / sqrt in ATen's
+// float kernels, both correctly rounded).
+at::Tensor rms_norm_f32(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  const auto mean = h.pow(2).mean(-1, true).contiguous();
+  const int64_t tokens = h.size(0), n = h.size(1);
+  auto out = at::empty_like(h);
+  const float* x = h.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* m = mean.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float r = 1.0f / std::sqrt(m[t] + e);
+    for (int64_t i = 0; i < n; ++i) {
+      const float scaled = x[t * n + i] * r;
+      y[t * n + i] = w[i] * scaled;
+    }
+  }
+  return out;
+}
+
+// Rotary embedding of the first `rotated` heads of qkv [T, all heads, d] into a new [T, rotated,
+// d]: x * cos + rot(x) * sin, rot(x) = (-x[half:], x[:half]), three roundings as in `rotate`.
+at::Tensor rotate_f32(const at::Tensor& qkv, int64_t rotated, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = qkv.size(0), all = qkv.size(1), d = qkv.size(2), half = d / 2;
+  auto out = at::empty({tokens, rotated, d}, qkv.options());
+  const float* x = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t hd = 0; hd < rotated; ++hd) {
+      const float* xv = x + (t * all + hd) * d;
+      const float* ct = c + t * d;
+      const float* st = sn + t * d;
+      float* yv = y + (t * rotated + hd) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float rot = i < half ? -xv[i + half] : xv[i - half];
+        const float a = xv[i] * ct[i];
+        const float b = rot * st[i];
+        yv[i] = a + b;
+      }
+    }
+  return out;
+}
+
+// h += y, elementwise (h is this step's own buffer).
+void add_into(at::Tensor& h, const at::Tensor& y) {
+  float* a = h.data_ptr<float>();
+  const float* b = y.data_ptr<float>();
+  for (int64_t i = 0, n = h.numel(); i < n; ++i) a[i] = a[i] + b[i];
+}
+
+// silu(gate) * up for gate_up [T, 2 I]: ATen's SiLU, the product a loop.
+at::Tensor gated_f32(const at::Tensor& gate_up, int64_t intermediate) {
+  auto act = at::silu(gate_up.slice(-1, 0, intermediate)).contiguous();
+  const int64_t tokens = gate_up.size(0);
+  float* a = act.data_ptr<float>();
+  const float* g = gate_up.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t i = 0; i < intermediate; ++i)
+      a[t * intermediate + i] = a[t * intermediate + i] * g[t * 2 * intermediate + intermediate + i];
+  return act;
+}
+
+// K or V rows x [T, kv_heads, d] (any strides) stored at their slots of a model-dtype cache
+// layer [blocks, block_size, kv_heads, d]: index_copy_'s copy, row by row.
+void store_rows_f32(const at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
+  const int64_t tokens = x.size(0), kv_heads = x.size(1), d = x.size(2);
+  float* base = cache.data_ptr<float>();
+  const float* src = x.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t hd = 0; hd < kv_heads; ++hd)
+      std::memcpy(base + (slots[t] * kv_heads + hd) * d, src + t * x.stride(0) + hd * x.stride(1), d * sizeof(float));
+}
+
+// One layer's K and V into a quantized or model-dtype cache layer.
+void store_kv(const at::Tensor& kc, const at::Tensor& vc, const c10::optional<at::Tensor>& ks,
+              const c10::optional<at::Tensor>& vs, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slots, int64_t kv_heads, int64_t head_dim, bool direct) {
+  if (ks.has_value()) {
+    write_quantized(kc, *ks, k, slots);
+    write_quantized(vc, *vs, v, slots);
+  } else if (direct) {
+    store_rows_f32(kc, k, slots.data_ptr<int64_t>());
+    store_rows_f32(vc, v, slots.data_ptr<int64_t>());
+  } else {
+    kc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k);
+    vc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
+  }
+}
+
 }  // namespace
 
 // h [T, hidden] after the embedding; returns h after the last layer (before the final norm).
@@ -88,10 +192,19 @@ at::Tensor decode_layers(
     const c10::optional<at::Tensor>& v_scale) {
   const int64_t tokens = h.size(0);
   const int64_t layers = static_cast<int64_t>(norm1.size());
+  // The loops' path: fp32 activations and rotary tables, and (for the direct K/V copy) an fp32
+  // cache with int64 slots. Anything else takes the ATen ops.
+  const bool f32 = h.scalar_type() == at::kFloat && h.is_contiguous() && cos.scalar_type() == at::kFloat
+                   && sin.scalar_type() == at::kFloat && h.dim() == 2;
+  const bool direct = f32 && !k_scale.has_value() && k_cache.scalar_type() == at::kFloat
+                      && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong
+                      && slots.is_contiguous();
+  const at::Tensor cos_c = f32 ? cos.contiguous() : cos, sin_c = f32 ? sin.contiguous() : sin;
+  if (f32) h = h.clone();    // the step's own buffer: residual adds go into it, the caller's h is kept
   for (int64_t i = 0; i < layers; ++i) {
-    auto x = rms_norm(h, norm1[i], eps1[i]);
+    auto x = f32 ? rms_norm_f32(h, norm1[i], eps1[i]) : rms_norm(h, norm1[i], eps1[i]);
     auto qkv = project(x, w_qkv[i], b_qkv[i], kinds[4 * i], dense_from_rows).view({tokens, -1, head_dim});
-    auto qk = rotate(qkv.slice(1, 0, heads + kv_heads), cos, sin);
+    auto qk = f32 ? rotate_f32(qkv, heads + kv_heads, cos_c, sin_c) : rotate(qkv.slice(1, 0, heads + kv_heads), cos, sin);
     auto q = qk.slice(1, 0, heads);
     auto k = qk.slice(1, heads);
     auto v = qkv.slice(1, heads + kv_heads);
@@ -100,19 +213,23 @@ at::Tensor decode_layers(
     if (k_scale.has_value()) {
       ks = k_scale->select(0, i);
       vs = v_scale->select(0, i);
-      write_quantized(kc, *ks, k, slots);
-      write_quantized(vc, *vs, v, slots);
-    } else {
-      kc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k);
-      vc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
     }
+    store_kv(kc, vc, ks, vs, k, v, slots, kv_heads, head_dim, direct);
     // attention.paged_attention_torch's decode rows: the same kernel, blocks read in place.
     auto o = paged_decode_attention(q, kc, vc, table, lens, scaling[i], windows[i], ks, vs);
-    h = h + project(o.reshape({tokens, heads * head_dim}), w_o[i], b_o[i], kinds[4 * i + 1], dense_from_rows);
-    x = rms_norm(h, norm2[i], eps2[i]);
-    auto gate_up = project(x, w_gate_up[i], b_gate_up[i], kinds[4 * i + 2], dense_from_rows)
-                       .split({intermediate, intermediate}, -1);
-    h = h + project(at::silu(gate_up[0]) * gate_up[1], w_down[i], b_down[i], kinds[4 * i + 3], dense_from_rows);
+    auto attn_out = project(o.reshape({tokens, heads * head_dim}), w_o[i], b_o[i], kinds[4 * i + 1], dense_from_rows);
+    if (f32) add_into(h, attn_out); else h = h + attn_out;
+    x = f32 ? rms_norm_f32(h, norm2[i], eps2[i]) : rms_norm(h, norm2[i], eps2[i]);
+    auto gate_up = project(x, w_gate_up[i], b_gate_up[i], kinds[4 * i + 2], dense_from_rows);
+    at::Tensor mlp_in;
+    if (f32) {
+      mlp_in = gated_f32(gate_up.contiguous(), intermediate);
+    } else {
+      auto parts = gate_up.split({intermediate, intermediate}, -1);
+      mlp_in = at::silu(parts[0]) * parts[1];
+    }
+    auto mlp_out = project(mlp_in, w_down[i], b_down[i], kinds[4 * i + 3], dense_from_rows);
+    if (f32) add_into(h, mlp_out); else h = h + mlp_out;
   }
   return h;
 }

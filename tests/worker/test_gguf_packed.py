@@ -100,6 +100,31 @@ def test_decode_variants_equal_the_int8_activation_reference(qtype, rows, k):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_decode_results_do_not_depend_on_the_thread_count_or_the_other_rows(qtype):
+    """Features go eight at a time where whole groups of eight fit and one at a time after (other
+    summation orders): chunks start at multiples of eight, so a feature's arithmetic, and its bits,
+    are the same on one thread or two; and each row's the same alone or among others (a sequence
+    decoded in a batch gives what it gives alone)."""
+    rng = np.random.default_rng(3)
+    packed, _ = blocks_of(rng.standard_normal((203, 96)).astype(np.float32), qtype)   # 25 groups + 3
+    x = torch.from_numpy(rng.standard_normal((6, 96)).astype(np.float32))
+    kind = SUPPORTED[qtype.name][0]
+    ops = load_extension()
+    threads = torch.get_num_threads()
+    try:
+        for isa in [v for v in variants() if v not in F32_VARIANTS]:
+            torch.set_num_threads(1)
+            one = ops.quant_linear_isa(x, packed, kind, None, 0, isa)
+            torch.set_num_threads(2)
+            two = ops.quant_linear_isa(x, packed, kind, None, 0, isa)
+            assert torch.equal(one, two), isa
+            for r in range(x.shape[0]):
+                assert torch.equal(ops.quant_linear_isa(x[r:r + 1], packed, kind, None, 0, isa)[0], two[r]), (isa, r)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_prefill_keeps_fp32_activations_and_equals_the_dequantized_weights_gemm(qtype):
     rng = np.random.default_rng(0)
     packed, plain = blocks_of(rng.standard_normal((70, 96)).astype(np.float32), qtype)
@@ -255,12 +280,17 @@ def test_packed_decode_logits_match_transformers_dequantized_model(packed_embedd
 def test_an_engine_on_packed_weights_runs_the_lean_loop_and_matches_generate(packed_embedded, embedded,
                                                                               make_engine):
     """The engine's greedy tokens against two oracles: the packed model's own `generate`, one prompt
-    at a time as the engine is given them here (the same kernels through transformers' loop: these
-    short prompts' prefill and every decode step have fewer than DENSE_FROM_ROWS rows, all int8;
-    identical but for at most one prompt where fp32 sums flip a tie), and transformers' dequantized
-    model (fp32 activations throughout), which ours may leave only where its top-2 gap is under
-    2 x DECODE_LOGIT_MAX: int8 activations move each logit by less than DECODE_LOGIT_MAX, so no wider
-    gap can flip. (All four prompts in one engine call would prefill 8+ rows in fp32: other numerics.)"""
+    at a time as the engine is given them here (the same GEMM kernels through transformers' loop:
+    these short prompts' prefill and every decode step have fewer than DENSE_FROM_ROWS rows, all
+    int8), and transformers' dequantized model (fp32 activations throughout). Against either, ours
+    may leave the oracle only where its top-2 gap is under 2 x DECODE_LOGIT_MAX: int8 activations
+    move each logit by less than DECODE_LOGIT_MAX from the fp32 one, so no wider gap can flip. The
+    own-generate oracle gets no tighter bound: its attention (SDPA) and ours (the C++ kernels) sum
+    in other orders, and a last-bit difference that moves one activation across an int8 rounding
+    boundary moves the logits by the int8 error's own size (on a 2-core Xeon, 3 of the 4 prompts
+    part from their own generate, one at its first token, where the top-2 gap is 0.06 and the two paths' log-probs
+    differ by up to 0.25). (All four prompts in one engine call would prefill 8+ rows in fp32:
+    other numerics.)"""
     from conftest import compare_with_oracle, hf_greedy
     from jupyter_pagedkv import SamplingParams
     model, tokenizer = packed_embedded
@@ -269,8 +299,7 @@ def test_an_engine_on_packed_weights_runs_the_lean_loop_and_matches_generate(pac
     assert "lean loop" in engine.info().summary and "GGUF blocks (Q4_1, Q8_0" in engine.info().summary
     prompts = [tokenizer(t).input_ids for t in PROMPTS]
     outs = [engine.generate([p], SamplingParams(max_tokens=16, temperature=0.0))[0] for p in prompts]
-    own = [o.token_ids == hf_greedy(model, p, 16, stop_at_eos=True) for p, o in zip(prompts, outs)]
-    assert sum(own) >= len(prompts) - 1
     for p, o in zip(prompts, outs):
-        found = compare_with_oracle(reference, p, o.token_ids, hf_greedy(reference, p, 16, stop_at_eos=True))
-        assert found.identical or (found.gap is not None and found.gap < 2 * DECODE_LOGIT_MAX), found
+        for oracle in (model, reference):
+            found = compare_with_oracle(oracle, p, o.token_ids, hf_greedy(oracle, p, 16, stop_at_eos=True))
+            assert found.identical or (found.gap is not None and found.gap < 2 * DECODE_LOGIT_MAX), found
