@@ -75,20 +75,24 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // --- fp32 activations: the elementwise steps as loops (see the top of the file) ---
 
-// rms_norm for fp32 h [T, hidden]: ATen's mean of squares, then x * (1 / sqrt(mean + eps)) and
-// weight * that, rounded as `x * rsqrt(...)` and `weight * x` round (rsqrt is 1 / sqrt in ATen's
-// float kernels, both correctly rounded).
+// rms_norm for fp32 h [T, hidden]: the mean of squares as ATen's float `x.pow(2).mean(-1)`
+// computes it (pow by 2 is x * x; mean is ATen's sum, then a division by the count), then
+// x * (1 / sqrt(mean + eps)) and weight * that, rounded as `x * rsqrt(...)` and `weight * x`
+// round (rsqrt is 1 / sqrt in ATen's float kernels, both correctly rounded). The sum stays ATen's
+// own: its order is its reduction kernel's.
 at::Tensor rms_norm_f32(const at::Tensor& h, const at::Tensor& weight, double eps) {
-  const auto mean = h.pow(2).mean(-1, true).contiguous();
   const int64_t tokens = h.size(0), n = h.size(1);
   auto out = at::empty_like(h);
   const float* x = h.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  const float* m = mean.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
+  for (int64_t i = 0; i < tokens * n; ++i) y[i] = x[i] * x[i];     // the squares, in `out` for now
+  const auto sum = at::sum(out, -1, true).contiguous();
+  const float* w = weight.data_ptr<float>();
+  const float* m = sum.data_ptr<float>();
+  const float e = static_cast<float>(eps), count = static_cast<float>(n);
   for (int64_t t = 0; t < tokens; ++t) {
-    const float r = 1.0f / std::sqrt(m[t] + e);
+    const float mean = m[t] / count;
+    const float r = 1.0f / std::sqrt(mean + e);
     for (int64_t i = 0; i < n; ++i) {
       const float scaled = x[t * n + i] * r;
       y[t * n + i] = w[i] * scaled;

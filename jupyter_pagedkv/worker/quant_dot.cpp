@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace quant_dot {
 namespace {
@@ -447,11 +448,16 @@ std::string best_here() {
 void linear(const at::Tensor& x2, const at::Tensor& blocks, int64_t kind, at::Tensor& out, const std::string& variant) {
   const RowsFn fn = pick(kind, variant);
   const int64_t rows = x2.size(0), k = x2.size(1), nb = k / 32, n = blocks.size(0);
-  auto qx = at::empty({rows, k}, at::kChar);
-  auto dx = at::empty({rows, nb}, at::kFloat), dxsum = at::empty({rows, nb}, at::kFloat);
-  quantize_rows(x2.data_ptr<float>(), rows, k, qx.data_ptr<int8_t>(), dx.data_ptr<float>(), dxsum.data_ptr<float>());
-  const Job job{qx.data_ptr<int8_t>(), dx.data_ptr<float>(), dxsum.data_ptr<float>(), blocks.data_ptr<uint8_t>(),
-                out.data_ptr<float>(), rows, n, k, blocks.size(1)};
+  // The quantized activations in this thread's scratch, kept between calls: a decode token makes
+  // ~120 calls, and three tensors allocated per call cost more than quantizing one row.
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> dx, dxsum;
+  qx.resize(rows * k);
+  dx.resize(rows * nb);
+  dxsum.resize(rows * nb);
+  quantize_rows(x2.data_ptr<float>(), rows, k, qx.data(), dx.data(), dxsum.data());
+  const Job job{qx.data(), dx.data(), dxsum.data(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), rows, n, k,
+                blocks.size(1)};
   run_chunks(fn, job);
 }
 
