@@ -179,6 +179,49 @@ def compare_gemms(reps: int = 7) -> None:
         print(f"  {name:40s} median {statistics.median(ts):8.1f} us, best {min(ts):8.1f} us")
 
 
+def token_gemms(reps: int = 10) -> None:
+    """Every packed GEMM of one decode token of the embedded model (q/k/v, o, gate/up, down per
+    layer, then the output layer), one activation row each, back to back as the decode loop calls
+    them, on one thread and on all of torch's; beside it, the floor: merely reading the same bytes
+    (ATen's sum over each weight viewed as floats, in the same order). Decode of one sequence is
+    bound by that floor once the kernel hides its arithmetic behind the reads; the gap between the
+    two is what a faster kernel could still win. Median and best of `reps` passes, after one."""
+    from ..worker.loader import load_model
+    from ..worker.quant_linear import QuantLinear, load_extension
+    ops = load_extension()
+    model = load_model(None, torch.float32, torch.device("cpu"), weights="packed").model
+    calls, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            blocks = m.stack.blocks if m.stack is not None else m.blocks
+            if id(blocks) not in seen:
+                seen.add(id(blocks))
+                calls.append((blocks, m.kind, torch.randn(1, m.in_features)))
+    floats = [b.view(-1).view(torch.float32) for b, _, _ in calls]
+    mib = sum(b.numel() for b, _, _ in calls) / 2**20
+    threads = torch.get_num_threads()
+    print(f"{len(calls)} GEMMs, {mib:.1f} MiB of blocks (quant_linear as the decode loop calls it):")
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            passes = {"GEMMs": lambda: [ops.quant_linear(x, b, kind, None, 8) for b, kind, x in calls],
+                      "reading the bytes": lambda: [f.sum() for f in floats]}
+            times: dict[str, list[float]] = {name: [] for name in passes}
+            for f in passes.values():
+                f()
+            for _ in range(reps):
+                for name, f in passes.items():
+                    start = time.perf_counter()
+                    f()
+                    times[name].append((time.perf_counter() - start) * 1e3)
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                print(f"  {n} thread{'s' if n > 1 else ''}, {name:18s} median {med:6.2f} ms ({mib * 2**20 / med / 1e6:5.1f} GB/s), "
+                      f"best {min(ts):6.2f} ms")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def decode_rate(r: dict, tokens: int) -> float:
     return (tokens - 1) / (r["total_s"] - r["ttft_s"])
 
@@ -191,10 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="dense,packed,hf,llamacpp", help="comma-separated subset")
     ap.add_argument("--json", type=Path, help="write the rows and medians here")
     ap.add_argument("--gemms", action="store_true", help="only compare the GEMMs packed weights could use")
+    ap.add_argument("--token-gemms", action="store_true",
+                    help="only time every packed GEMM of one decode token against reading the same bytes")
     args = ap.parse_args(argv)
     if args.gemms:
         print(f"bench single --gemms, {date.today()}: {cpu_line()}")
         compare_gemms()
+        return 0
+    if args.token_gemms:
+        print(f"bench single --token-gemms, {date.today()}: {cpu_line()}")
+        token_gemms()
         return 0
 
     from ..worker.loader import embedded_gguf
