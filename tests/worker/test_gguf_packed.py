@@ -303,3 +303,34 @@ def test_an_engine_on_packed_weights_runs_the_lean_loop_and_matches_generate(pac
         for oracle in (model, reference):
             found = compare_with_oracle(oracle, p, o.token_ids, hf_greedy(oracle, p, 16, stop_at_eos=True))
             assert found.identical or (found.gap is not None and found.gap < 2 * DECODE_LOGIT_MAX), found
+
+
+@pytest.mark.slow
+def test_the_cpp_loop_keeps_its_arguments_only_while_the_modules_hold_the_same_tensors(packed_embedded, make_engine):
+    """GGUF projections' arguments are looked up once and kept (native_decode._weight_args); a
+    norm weight or a bias reassigned under the running engine is seen on the next step."""
+    from torch import nn
+
+    from jupyter_pagedkv import SamplingParams
+    model, tokenizer = packed_embedded
+    engine = make_engine(model, tokenizer)
+    loop = engine._runner.lean.native
+    engine.generate([tokenizer("Hello").input_ids], SamplingParams(max_tokens=3, temperature=0.0))
+    assert loop is not None and loop.proven and loop._kept is not None
+    first, _ = loop._weight_args()
+    assert loop._weight_args()[0] is first                                  # kept: the very lists
+    layer = model.model.layers[3]
+    norm, down = layer.input_layernorm, layer.mlp.down_proj
+    weight = norm.weight
+    try:
+        norm.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        down.bias = nn.Parameter(torch.zeros(down.out_features), requires_grad=False)
+        args, _ = loop._weight_args()
+        assert args is not first and args[0][3] is norm.weight and args[11][3] is down.bias
+    finally:
+        norm.weight = weight
+        down.bias = None
+    args, _ = loop._weight_args()
+    assert args[0][3] is weight and args[11][3] is None
+    out = engine.generate([tokenizer("Hello").input_ids], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].token_ids) == 3 and loop.enabled
