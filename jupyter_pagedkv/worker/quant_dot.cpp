@@ -229,10 +229,10 @@ __attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) 
 //
 // Which features: the call's whole groups of eight from `begin` (run_chunks starts every chunk at
 // a multiple of eight, so a feature's group, and thus its arithmetic, does not depend on the number
-// of threads); the last n % 8 go one at a time. Q8_0 stays one at a time (its 32-byte rows would
-// need an 8 x 8 transpose per block).
+// of threads); the last n % 8 go one at a time. Q8_0's 32 quant bytes a row take an 8 x 8
+// transpose, its signed quants the sign trick of the one-at-a-time path.
 template <int64_t Kind> inline int64_t eight_done(int64_t begin, int64_t end) {
-  return Kind == kQ8_0 ? 0 : (end - begin) / 8 * 8;
+  return (end - begin) / 8 * 8;
 }
 
 __attribute__((target("avx2"), always_inline)) inline __m256i dotacc_avx2(__m256i acc, __m256i u, __m256i s) {
@@ -266,8 +266,38 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512vnni"), always_inline)) inlin
       const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));                         \
       const __m256 m = Kind == kQ4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))     \
                                      : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);                 \
-      /* rows i and i + 4 in one register, then a 4 x 4 transpose of 4-byte groups per half */  \
       const uint8_t* qs = blk + quants_at(Kind);                                                \
+      if constexpr (Kind == kQ8_0) {                                                            \
+        /* the eight rows' 32 bytes, an 8 x 8 transpose of 4-byte groups: v[c] lane i = row i's group c */\
+        __m256i q[8], v[8];                                                                     \
+        for (int i = 0; i < 8; ++i) q[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * rb));\
+        const __m256i t0 = _mm256_unpacklo_epi32(q[0], q[1]), t1 = _mm256_unpackhi_epi32(q[0], q[1]);\
+        const __m256i t2 = _mm256_unpacklo_epi32(q[2], q[3]), t3 = _mm256_unpackhi_epi32(q[2], q[3]);\
+        const __m256i t4 = _mm256_unpacklo_epi32(q[4], q[5]), t5 = _mm256_unpackhi_epi32(q[4], q[5]);\
+        const __m256i t6 = _mm256_unpacklo_epi32(q[6], q[7]), t7 = _mm256_unpackhi_epi32(q[6], q[7]);\
+        const __m256i u[8] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),     \
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3),     \
+                              _mm256_unpacklo_epi64(t4, t6), _mm256_unpackhi_epi64(t4, t6),     \
+                              _mm256_unpacklo_epi64(t5, t7), _mm256_unpackhi_epi64(t5, t7)};    \
+        for (int c = 0; c < 4; ++c) {                                                           \
+          v[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);                               \
+          v[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);                           \
+        }                                                                                       \
+        for (int r = 0; r < T; ++r) {                                                           \
+          const int64_t xb = (r0 + r) * nb + b;                                                 \
+          int32_t xg[8];                                                                        \
+          std::memcpy(xg, j.qx + xb * 32, 32);                                                  \
+          __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                     \
+          for (int c = 0; c < 8; c += 2) {   /* |qw| unsigned, qw's sign moved onto qx */       \
+            s0 = DOTACC(s0, _mm256_abs_epi8(v[c]), _mm256_sign_epi8(_mm256_set1_epi32(xg[c]), v[c]));\
+            s1 = DOTACC(s1, _mm256_abs_epi8(v[c + 1]), _mm256_sign_epi8(_mm256_set1_epi32(xg[c + 1]), v[c + 1]));\
+          }                                                                                     \
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));                      \
+          acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(j.dx[xb])), acc[r]);    \
+        }                                                                                       \
+        continue;                                                                               \
+      }                                                                                         \
+      /* rows i and i + 4 in one register, then a 4 x 4 transpose of 4-byte groups per half */  \
       __m256i a[4];                                                                             \
       for (int i = 0; i < 4; ++i)                                                               \
         a[i] = _mm256_inserti128_si256(                                                         \
