@@ -135,6 +135,21 @@ class LlamaCpp:
         self.proc.wait(timeout=60)
 
 
+def alternate(calls: dict, reps: int, inner: int) -> dict[str, list[float]]:
+    """Seconds per call of each of `calls`, `reps` times each, taking turns (so a slow minute of a
+    shared machine hits all alike), each time the mean of `inner` calls; after one call each."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for f in calls.values():
+        f()
+    for _ in range(reps):
+        for name, f in calls.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                f()
+            times[name].append((time.perf_counter() - start) / inner)
+    return times
+
+
 def compare_gemms(reps: int = 7) -> None:
     """The GEMM choice for packed weights, measured: one activation row through the embedded
     model's first gate projection (1536 x 576, Q4_1) by our kernel (each int8-activation variant this
@@ -165,15 +180,7 @@ def compare_gemms(reps: int = 7) -> None:
     calls["aten._weight_int4pack_mm_for_cpu"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, 32, scales)
     calls["aten._weight_int8pack_mm"] = lambda: torch.ops.aten._weight_int8pack_mm(x, int8w, scale8)
     calls["oneDNN fp32, dequantized weight"] = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for f in calls.values():
-        f()
-    for _ in range(reps):
-        for name, f in calls.items():
-            start = time.perf_counter()
-            for _ in range(50):
-                f()
-            times[name].append((time.perf_counter() - start) / 50 * 1e6)
+    times = {name: [t * 1e6 for t in ts] for name, ts in alternate(calls, reps, 50).items()}
     print(f"one row x {n}x{k} weight, {torch.get_num_threads()} threads:")
     for name, ts in times.items():
         print(f"  {name:40s} median {statistics.median(ts):8.1f} us, best {min(ts):8.1f} us")
@@ -206,14 +213,7 @@ def token_gemms(reps: int = 10) -> None:
             torch.set_num_threads(n)
             passes = {"GEMMs": lambda: [ops.quant_linear(x, b, kind, None, 8) for b, kind, x in calls],
                       "reading the bytes": lambda: [f.sum() for f in floats]}
-            times: dict[str, list[float]] = {name: [] for name in passes}
-            for f in passes.values():
-                f()
-            for _ in range(reps):
-                for name, f in passes.items():
-                    start = time.perf_counter()
-                    f()
-                    times[name].append((time.perf_counter() - start) * 1e3)
+            times = {name: [t * 1e3 for t in ts] for name, ts in alternate(passes, reps, 1).items()}
             for name, ts in times.items():
                 med = statistics.median(ts)
                 print(f"  {n} thread{'s' if n > 1 else ''}, {name:18s} median {med:6.2f} ms ({mib * 2**20 / med / 1e6:5.1f} GB/s), "
