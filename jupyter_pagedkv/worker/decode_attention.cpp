@@ -68,12 +68,13 @@ constexpr bool kQuantized = !std::is_same_v<T, K>;
 // The 16 partial sums added in a fixed pairwise tree: lane l + 8 onto l, then l + 4, l + 2, l + 1.
 // In vector types, so each level is one add under every ISA variant: written as scalar loops, the
 // compiler emitted ~30 shuffles and scalar adds a key, most of the kernel's time.
+typedef float Floats16 __attribute__((vector_size(64)));
 typedef float Floats8 __attribute__((vector_size(32)));
 typedef float Floats4 __attribute__((vector_size(16)));
-PAGEDKV_INLINE float reduce(const float* part) {
+PAGEDKV_INLINE float reduce(Floats16 part) {
   Floats8 lo, hi;
-  std::memcpy(&lo, part, sizeof lo);
-  std::memcpy(&hi, part + 8, sizeof hi);
+  std::memcpy(&lo, &part, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&part) + sizeof lo, sizeof hi);
   const Floats8 eight = lo + hi;
   Floats4 a, b;
   std::memcpy(&a, &eight, sizeof a);
@@ -81,14 +82,52 @@ PAGEDKV_INLINE float reduce(const float* part) {
   const Floats4 four = a + b;
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
+PAGEDKV_INLINE float reduce(const float* part) {
+  Floats16 v;
+  std::memcpy(&v, part, sizeof v);
+  return reduce(v);
+}
 
+// 16 consecutive elements widened to float, as one vector (bf16 by a shift, in vector types, so
+// it stays in registers; other codes lane by lane).
+template <typename T>
+PAGEDKV_INLINE Floats16 load16(const T* b) {
+  float f[kLanes];
+  for (int l = 0; l < kLanes; ++l) f[l] = to_float(b[l]);
+  Floats16 v;
+  std::memcpy(&v, f, sizeof v);
+  return v;
+}
+template <>
+PAGEDKV_INLINE Floats16 load16(const float* b) {
+  Floats16 v;
+  std::memcpy(&v, b, sizeof v);
+  return v;
+}
+template <>
+PAGEDKV_INLINE Floats16 load16(const c10::BFloat16* b) {
+  typedef uint16_t Halves16 __attribute__((vector_size(32)));
+  typedef uint32_t Words16 __attribute__((vector_size(64)));
+  Halves16 h;
+  std::memcpy(&h, b, sizeof h);
+  const Words16 w = __builtin_convertvector(h, Words16) << 16;
+  Floats16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+// Lane l sums the products at l, l + 16, ... (mul, then add: no contraction), then the tree.
 template <typename T>
 PAGEDKV_INLINE float dot(const float* a, const T* b, int64_t n) {
-  float part[kLanes] = {0.f};
+  Floats16 part = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) part[l] += a[i + l] * to_float(b[i + l]);
-  for (int l = 0; i < n; ++i, ++l) part[l] += a[i] * to_float(b[i]);
+  for (; i + kLanes <= n; i += kLanes) part += load16(a + i) * load16(b + i);
+  if (i < n) {
+    float rest[kLanes];
+    std::memcpy(rest, &part, sizeof rest);
+    for (int l = 0; i < n; ++i, ++l) rest[l] += a[i] * to_float(b[i]);
+    std::memcpy(&part, rest, sizeof part);
+  }
   return reduce(part);
 }
 
