@@ -1,5 +1,5 @@
 // Decode-sized linear layers from GGUF blocks with integer dot products (the few-rows path of
-// quant_gemm.cpp; block layouts there).
+// quant_gemm.cpp, whose header comment describes the block layouts; their sizes: quant_dot_blocks.h).
 //
 // Why: one decode row reads each weight once, and converting each weight to fp32 to multiply it with
 // an fp32 activation (4 conversions and an FMA per 8 weights) cost more than reading it. Quantizing
@@ -56,7 +56,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* dx
     dxsum[b] = d * static_cast<float>(sum);
   }
 }
-
 
 // The tile heights a call's rows split into: whole tiles of kTile, then one of rows % kTile. Each
 // height is its own instantiation, so a tile's accumulators are registers: with the height known

@@ -1,7 +1,7 @@
 // The GGUF block layouts and the small helpers every quant_dot.cpp variant shares (included only
 // there and by quant_dot_eight.h; numerics in quant_dot.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>

@@ -36,7 +36,8 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512vnni"), always_inline)) inlin
 
 }  // namespace quant_dot::detail
 
-// Features [o0, o0 + 8) against rows [r0, r0 + T), every block of k.
+// Features [o0, o0 + 8) against rows [r0, r0 + T), every block of k. Expanded in quant_dot.cpp,
+// whose `using namespace detail` makes Job, kTile and the helpers above visible to it.
 #define QUANT_DOT_EIGHT(NAME, TARGET, DOTACC)                                                   \
   template <int64_t Kind, int T>                                                                \
   __attribute__((target(TARGET), always_inline)) inline void NAME##_group(const Job& j, int64_t o0, int64_t r0) { \
