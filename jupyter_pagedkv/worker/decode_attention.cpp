@@ -19,7 +19,7 @@
 // weight is multiplied by its scale once, so the inner loops stay the same loops over another
 // element type. The model-dtype cache ("auto") instantiates the very code it did before.
 #include "decode_attention.h"
-#include "kv_codes.h"
+#include "decode_lanes.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -27,7 +27,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -36,134 +35,11 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-
-#define PAGEDKV_INLINE inline __attribute__((always_inline))
-
-PAGEDKV_INLINE float to_float(float x) { return x; }
-PAGEDKV_INLINE float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-PAGEDKV_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
-PAGEDKV_INLINE float to_float(int8_t x) { return static_cast<float>(x); }
-
-using pkv_codes::Fp8E4M3;
-// e4m3 codes through a 1 KiB table of `widen`'s values (the same floats, bit for bit): in the
-// dot and axpy loops below, the arithmetic form did not vectorise, and decode over an fp8 cache
-// ran 13x slower than over int8 (9.96 against 0.76 ms a layer at 16 sequences of 500 tokens).
-const std::array<float, 256> kFp8Values = [] {
-  std::array<float, 256> t{};
-  for (int c = 0; c < 256; ++c) t[c] = pkv_codes::widen(Fp8E4M3{static_cast<uint8_t>(c)});
-  return t;
-}();
-PAGEDKV_INLINE float to_float(Fp8E4M3 b) { return kFp8Values[b.x]; }
+using namespace pkv_lanes;
 
 // T: the query's element type; K: the cache's (T itself, or a quantized code with scales).
 template <typename T, typename K>
 constexpr bool kQuantized = !std::is_same_v<T, K>;
-
-// The 16 partial sums added in a fixed pairwise tree: lane l + 8 onto l, then l + 4, l + 2, l + 1.
-// In vector types, so each level is one add under every ISA variant: written as scalar loops, the
-// compiler emitted ~30 shuffles and scalar adds a key, most of the kernel's time.
-// (Passed by value only into always-inline functions, so GCC's note that a 64-byte vector's
-// calling convention differs without AVX-512 concerns no real call.)
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float Floats16 __attribute__((vector_size(64)));
-typedef float Floats8 __attribute__((vector_size(32)));
-typedef float Floats4 __attribute__((vector_size(16)));
-PAGEDKV_INLINE float reduce(Floats16 part) {
-  Floats8 lo, hi;
-  std::memcpy(&lo, &part, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&part) + sizeof lo, sizeof hi);
-  const Floats8 eight = lo + hi;
-  Floats4 a, b;
-  std::memcpy(&a, &eight, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&eight) + sizeof a, sizeof b);
-  const Floats4 four = a + b;
-  return (four[0] + four[2]) + (four[1] + four[3]);
-}
-PAGEDKV_INLINE float reduce(const float* part) {
-  Floats16 v;
-  std::memcpy(&v, part, sizeof v);
-  return reduce(v);
-}
-
-// 16 consecutive elements widened to float, as one vector (bf16 by a shift, in vector types, so
-// it stays in registers).
-template <typename T>
-PAGEDKV_INLINE Floats16 load16(const T* b);
-template <>
-PAGEDKV_INLINE Floats16 load16(const float* b) {
-  Floats16 v;
-  std::memcpy(&v, b, sizeof v);
-  return v;
-}
-template <>
-PAGEDKV_INLINE Floats16 load16(const c10::BFloat16* b) {
-  typedef uint16_t Halves16 __attribute__((vector_size(32)));
-  typedef uint32_t Words16 __attribute__((vector_size(64)));
-  Halves16 h;
-  std::memcpy(&h, b, sizeof h);
-  const Words16 w = __builtin_convertvector(h, Words16) << 16;
-  Floats16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-// Lane l sums the products at l, l + 16, ... (mul, then add: no contraction), then the tree.
-// float and bf16 as vectors; other element types lane by lane into an array, which the compiler
-// vectorises better for them (int8 and fp16 caches ran 0.8x and 0.5x as vectors of 16).
-template <typename T>
-PAGEDKV_INLINE float dot(const float* a, const T* b, int64_t n) {
-  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, c10::BFloat16>) {
-    float part[kLanes] = {0.f};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) part[l] += a[i + l] * to_float(b[i + l]);
-    for (int l = 0; i < n; ++i, ++l) part[l] += a[i] * to_float(b[i]);
-    return reduce(part);
-  } else {
-    Floats16 part = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) part += load16(a + i) * load16(b + i);
-    if (i < n) {
-      float rest[kLanes];
-      std::memcpy(rest, &part, sizeof rest);
-      for (int l = 0; i < n; ++i, ++l) rest[l] += a[i] * to_float(b[i]);
-      std::memcpy(&part, rest, sizeof part);
-    }
-    return reduce(part);
-  }
-}
-
-// e^x for x <= 0 (scores less their maximum), in a form the compiler vectorises: x = n ln2 + r
-// with |r| <= ln2 / 2, e^r by a degree-6 Taylor polynomial (relative error < 2e-7, about an
-// ulp: what the vectorised exp inside SDPA gives too), 2^n put in the exponent bits.
-PAGEDKV_INLINE float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;                    // below this e^x is no normal float: 1.6e-38 is 0 here
-  // n = x / ln 2 rounded to nearest: adding and taking away 1.5 * 2^23 drops the fraction.
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   // ln 2 split in two: r stays exact
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-template <typename T>
-PAGEDKV_INLINE void axpy(float* acc, float w, const T* v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += w * to_float(v[i]);
-}
 
 template <typename T, typename K>
 struct Args {
@@ -181,13 +57,19 @@ struct Args {
 
 // One (row, KV head). `scratch` holds the group's query in float, its scores and its sums.
 // D > 0 fixes the head size at compile time (common sizes unroll fully), 0 reads it from `a`.
-template <typename T, typename K, int D>
+template <typename T, typename K, int D, bool Wide>
 PAGEDKV_INLINE void item_body(const Args<T, K>& a, int64_t item, std::vector<float>& scratch) {
   const int64_t row = item / a.kv_heads, g = item % a.kv_heads;
   const int64_t group = a.heads / a.kv_heads, d = D > 0 ? D : a.d;
   const int64_t len = a.lens[row];
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
   const int64_t n = len - start;
+  // Float and bf16 caches with a head size fixed at compile time, under AVX-512 (`Wide`): a key or
+  // value row is widened into registers once and used by every query head of the group. The same
+  // sums in the same order as the lane-by-lane loops, so every variant gives the same bits; AVX2
+  // keeps those loops, as it spilled these 64-byte vectors to the stack (2.2x slower).
+  constexpr bool kWhole = Wide && !kQuantized<T, K> && kVectorLoads<K> && D > 0 && D % kLanes == 0;
+  constexpr int kChunks = D > 0 ? D / kLanes : 1;
   scratch.resize(static_cast<size_t>(group * (2 * d + n)));
   float* q = scratch.data();
   float* acc = q + group * d;
@@ -201,9 +83,24 @@ PAGEDKV_INLINE void item_body(const Args<T, K>& a, int64_t item, std::vector<flo
   for (int64_t p = start; p < len; ++p) {
     const int64_t slot = blocks[p / a.block_size] * a.block_size + p % a.block_size;
     const K* key = a.k + slot * stride + g * d;
+    if (p + kAhead < len) {
+      const int64_t next = blocks[(p + kAhead) / a.block_size] * a.block_size + (p + kAhead) % a.block_size;
+      prefetch(a.k + next * stride + g * d, d);
+      prefetch(a.v + next * stride + g * d, d);
+    }
     if constexpr (kQuantized<T, K>) {
       const float s = static_cast<float>(a.ks[slot * a.kv_heads + g]) * a.scale;
       for (int64_t j = 0; j < group; ++j) scores[j * n + (p - start)] = dot(q + j * d, key, d) * s;
+    } else if constexpr (kWhole) {
+      // The key widened once for the whole group (left to `dot`, the compiler widened it again
+      // for every query head); then each head's sum exactly as `dot` adds it.
+      Floats16 kv[kChunks];
+      for (int c = 0; c < kChunks; ++c) kv[c] = load16(key + c * kLanes);
+      for (int64_t j = 0; j < group; ++j) {
+        Floats16 part = {};
+        for (int c = 0; c < kChunks; ++c) part += load16(q + j * d + c * kLanes) * kv[c];
+        scores[j * n + (p - start)] = reduce(part) * a.scale;
+      }
     } else {
       for (int64_t j = 0; j < group; ++j) scores[j * n + (p - start)] = dot(q + j * d, key, d) * a.scale;
     }
@@ -212,8 +109,13 @@ PAGEDKV_INLINE void item_body(const Args<T, K>& a, int64_t item, std::vector<flo
   float total[64];   // group <= 64, checked by the caller
   for (int64_t j = 0; j < group; ++j) {
     float* s = scores + j * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    // The maximum over 16 lanes, then over the lanes: the same value as one running maximum
+    // (max is exact), without a 4-cycle dependency a score (it was 11% of the kernel).
+    float lane_max[kLanes];
+    std::fill(lane_max, lane_max + kLanes, -std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < n; ++i) lane_max[i % kLanes] = std::max(lane_max[i % kLanes], s[i]);
+    float m = lane_max[0];
+    for (int l = 1; l < kLanes; ++l) m = std::max(m, lane_max[l]);
     for (int64_t i = 0; i < n; ++i) s[i] = exp_nonpositive(s[i] - m);
     float part[kLanes] = {0.f};
     int64_t i = 0;
@@ -228,6 +130,18 @@ PAGEDKV_INLINE void item_body(const Args<T, K>& a, int64_t item, std::vector<flo
     if constexpr (kQuantized<T, K>) {
       const float s = static_cast<float>(a.vs[slot * a.kv_heads + g]);
       for (int64_t j = 0; j < group; ++j) axpy(acc + j * d, scores[j * n + (p - start)] * s, value, d);
+    } else if constexpr (kWhole) {
+      Floats16 vv[kChunks];
+      for (int c = 0; c < kChunks; ++c) vv[c] = load16(value + c * kLanes);
+      for (int64_t j = 0; j < group; ++j) {
+        const float w = scores[j * n + (p - start)];
+        for (int c = 0; c < kChunks; ++c) {
+          Floats16 sum;
+          std::memcpy(&sum, acc + j * d + c * kLanes, sizeof sum);
+          sum += w * vv[c];
+          std::memcpy(acc + j * d + c * kLanes, &sum, sizeof sum);
+        }
+      }
     } else {
       for (int64_t j = 0; j < group; ++j) axpy(acc + j * d, scores[j * n + (p - start)], value, d);
     }
@@ -244,18 +158,18 @@ using ItemFn = void (*)(const Args<T, K>&, int64_t, std::vector<float>&);
 
 template <typename T, typename K, int D>
 void item_generic(const Args<T, K>& a, int64_t item, std::vector<float>& scratch) {
-  item_body<T, K, D>(a, item, scratch);
+  item_body<T, K, D, false>(a, item, scratch);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 template <typename T, typename K, int D>
 __attribute__((target("avx2,fma"))) void item_avx2(const Args<T, K>& a, int64_t item, std::vector<float>& scratch) {
-  item_body<T, K, D>(a, item, scratch);
+  item_body<T, K, D, false>(a, item, scratch);
 }
 template <typename T, typename K, int D>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void item_avx512(const Args<T, K>& a, int64_t item,
                                                                                 std::vector<float>& scratch) {
-  item_body<T, K, D>(a, item, scratch);
+  item_body<T, K, D, true>(a, item, scratch);
 }
 #endif
 
