@@ -70,7 +70,7 @@ PAGEDKV_INLINE void item_body(const Args<T, K>& a, int64_t item, std::vector<flo
   // keeps those loops, as it spilled these 64-byte vectors to the stack (2.2x slower).
   constexpr bool kWhole = Wide && !kQuantized<T, K> && kVectorLoads<K> && D > 0 && D % kLanes == 0;
   constexpr int kChunks = D > 0 ? D / kLanes : 1;
-  scratch.resize(static_cast<size_t>(group * (2 * d + n)));
+  scratch.resize(static_cast<size_t>(group * (2 * d + n + (kWhole ? kLanes * kLanes : 0))));
   float* q = scratch.data();
   float* acc = q + group * d;
   float* scores = acc + group * d;
@@ -80,27 +80,44 @@ PAGEDKV_INLINE void item_body(const Args<T, K>& a, int64_t item, std::vector<flo
   }
   const int64_t* blocks = a.table + row * a.max_blocks;
   const int64_t stride = a.kv_heads * d;
-  for (int64_t p = start; p < len; ++p) {
-    const int64_t slot = blocks[p / a.block_size] * a.block_size + p % a.block_size;
-    const K* key = a.k + slot * stride + g * d;
+  // A key's slot, asking for the key and value kAhead positions on.
+  const auto slot_of = [&](int64_t p) {
     if (p + kAhead < len) {
       const int64_t next = blocks[(p + kAhead) / a.block_size] * a.block_size + (p + kAhead) % a.block_size;
       prefetch(a.k + next * stride + g * d, d);
       prefetch(a.v + next * stride + g * d, d);
     }
+    return blocks[p / a.block_size] * a.block_size + p % a.block_size;
+  };
+  int64_t p = start;
+  if constexpr (kWhole) {
+    // 16 keys at a time: each key widened once for the whole group (left to `dot`, the compiler
+    // widened it again for every query head), each head's sum added exactly as `dot` adds it, and
+    // the 16 keys' sums reduced together (`reduce16`: the same tree, so the same bits).
+    float* parts = scores + group * n;     // [group][16 keys][16 lanes]
+    for (; p + kLanes <= len; p += kLanes) {
+      for (int t = 0; t < kLanes; ++t) {
+        const K* key = a.k + slot_of(p + t) * stride + g * d;
+        Floats16 kv[kChunks];
+        for (int c = 0; c < kChunks; ++c) kv[c] = load16(key + c * kLanes);
+        for (int64_t j = 0; j < group; ++j) {
+          Floats16 part = {};
+          for (int c = 0; c < kChunks; ++c) part += load16(q + j * d + c * kLanes) * kv[c];
+          std::memcpy(parts + (j * kLanes + t) * kLanes, &part, sizeof part);
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        const Floats16 s = reduce16(parts + j * kLanes * kLanes) * a.scale;
+        std::memcpy(scores + j * n + (p - start), &s, sizeof s);
+      }
+    }
+  }
+  for (; p < len; ++p) {
+    const int64_t slot = slot_of(p);
+    const K* key = a.k + slot * stride + g * d;
     if constexpr (kQuantized<T, K>) {
       const float s = static_cast<float>(a.ks[slot * a.kv_heads + g]) * a.scale;
       for (int64_t j = 0; j < group; ++j) scores[j * n + (p - start)] = dot(q + j * d, key, d) * s;
-    } else if constexpr (kWhole) {
-      // The key widened once for the whole group (left to `dot`, the compiler widened it again
-      // for every query head); then each head's sum exactly as `dot` adds it.
-      Floats16 kv[kChunks];
-      for (int c = 0; c < kChunks; ++c) kv[c] = load16(key + c * kLanes);
-      for (int64_t j = 0; j < group; ++j) {
-        Floats16 part = {};
-        for (int c = 0; c < kChunks; ++c) part += load16(q + j * d + c * kLanes) * kv[c];
-        scores[j * n + (p - start)] = reduce(part) * a.scale;
-      }
     } else {
       for (int64_t j = 0; j < group; ++j) scores[j * n + (p - start)] = dot(q + j * d, key, d) * a.scale;
     }

@@ -66,6 +66,34 @@ PAGEDKV_INLINE float reduce(const float* part) {
   return reduce(v);
 }
 
+// Sixteen keys' partial-sum vectors reduced together: lane t of the result is `reduce(parts[t])`,
+// bit for bit (each key's sums are added in the same tree: l + 8, then l + 4, then (0 + 2) +
+// (1 + 3)), but pairs of vectors share each level's shuffles and adds: 30 two-source shuffles and
+// 15 adds for 16 keys, where `reduce` takes five shuffles and five adds for one.
+typedef int32_t Ints16 __attribute__((vector_size(64)));
+PAGEDKV_INLINE Floats16 pair_sum(Floats16 a, Floats16 b, Ints16 lo, Ints16 hi) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+PAGEDKV_INLINE Floats16 reduce16(const float* parts) {
+  Floats16 v[16];
+  std::memcpy(v, parts, sizeof v);
+  const Ints16 e_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const Ints16 e_hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  Floats16 eight[8];     // eight[i]: keys 2i and 2i + 1, eight lanes each
+  for (int i = 0; i < 8; ++i) eight[i] = pair_sum(v[2 * i], v[2 * i + 1], e_lo, e_hi);
+  const Ints16 f_lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const Ints16 f_hi = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  Floats16 four[4];      // four[i]: keys 4i to 4i + 3, four lanes each
+  for (int i = 0; i < 4; ++i) four[i] = pair_sum(eight[2 * i], eight[2 * i + 1], f_lo, f_hi);
+  const Ints16 t_lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const Ints16 t_hi = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  Floats16 two[2];       // two[i]: keys 8i to 8i + 7, (lane 0 + lane 2, lane 1 + lane 3) each
+  for (int i = 0; i < 2; ++i) two[i] = pair_sum(four[2 * i], four[2 * i + 1], t_lo, t_hi);
+  const Ints16 o_lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const Ints16 o_hi = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  return pair_sum(two[0], two[1], o_lo, o_hi);
+}
+
 // 16 consecutive elements widened to float, as one vector (bf16 by a shift, in vector types, so
 // it stays in registers).
 template <typename T>
