@@ -2,9 +2,9 @@
 //
 // Every line computes what the Python lean loop (lean_forward.py) computes, with the same
 // roundings in the same order, so the results are bit for bit the lean loop's, which are the
-// model's own. Only the Python between the ops is gone, and, for fp32 activations, the ATen calls
-// for elementwise steps: a decode token's ~25 small ops a layer cost ~2-4 us each in dispatch and
-// allocation, more than their arithmetic. Those are plain loops here, each rounding exactly where
+// model's own. Only the Python between the ops is gone, and, for fp32 and bf16 activations, the
+// ATen calls for elementwise steps: a decode token's ~25 small ops a layer cost ~2-4 us each in
+// dispatch and allocation, more than their arithmetic. Those are plain loops here, each rounding exactly where
 // the ATen op it replaces rounds (one multiply, add or divide per rounding; -ffp-contract=off, so
 // no fused multiply-add merges two). Reductions and transcendental functions (the norm's mean,
 // SiLU's exp) stay ATen's own, whose summation order and approximations a loop would not match.
@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "decode_attention.h"
 #include "quant_gemm.h"
@@ -73,29 +74,40 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
 }
 
-// --- fp32 activations: the elementwise steps as loops (see the top of the file) ---
+// --- fp32 and bf16 activations: the elementwise steps as loops (see the top of the file) ---
+// T is the activations' type. Each ATen op on bf16 tensors computes in float and rounds its
+// result to bf16 (to nearest even); `round_to<T>` is that rounding (nothing for float), placed
+// wherever the op it replaces returns a T.
+template <typename T>
+inline float widen(T x) { return static_cast<float>(x); }
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }     // c10::BFloat16(float): to nearest even
 
-// rms_norm for fp32 h [T, hidden]: the mean of squares as ATen's float `x.pow(2).mean(-1)`
-// computes it (pow by 2 is x * x; mean is ATen's sum, then a division by the count), then
-// x * (1 / sqrt(mean + eps)) and weight * that, rounded as `x * rsqrt(...)` and `weight * x`
-// round (rsqrt is 1 / sqrt in ATen's float kernels, both correctly rounded). The sum stays ATen's
-// own: its order is its reduction kernel's.
-at::Tensor rms_norm_f32(const at::Tensor& h, const at::Tensor& weight, double eps) {
+// rms_norm for h [T, hidden]: the mean of squares as ATen's float `x.pow(2).mean(-1)` computes it
+// (pow by 2 is x * x; mean is ATen's sum, then a division by the count), then x * (1 / sqrt(mean +
+// eps)) rounded to T as `.to(h.dtype)` rounds it, and weight * that, rounded as `weight * x`
+// rounds (rsqrt is 1 / sqrt in ATen's float kernels, both correctly rounded). The sum stays
+// ATen's own: its order is its reduction kernel's.
+template <typename T>
+at::Tensor rms_norm_loops(const at::Tensor& h, const at::Tensor& weight, double eps) {
   const int64_t tokens = h.size(0), n = h.size(1);
   auto out = at::empty_like(h);
-  const float* x = h.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  for (int64_t i = 0; i < tokens * n; ++i) y[i] = x[i] * x[i];     // the squares, in `out` for now
-  const auto sum = at::sum(out, -1, true).contiguous();
-  const float* w = weight.data_ptr<float>();
+  // The squares in float: in `out` itself for fp32 (it is overwritten below), else their own.
+  const at::Tensor squares = std::is_same_v<T, float> ? out : at::empty({tokens, n}, h.options().dtype(at::kFloat));
+  const T* x = h.data_ptr<T>();
+  float* sq = squares.data_ptr<float>();
+  for (int64_t i = 0; i < tokens * n; ++i) sq[i] = widen(x[i]) * widen(x[i]);
+  const at::Tensor sum = at::sum(squares, -1, true).contiguous();
+  T* y = out.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
   const float* m = sum.data_ptr<float>();
   const float e = static_cast<float>(eps), count = static_cast<float>(n);
   for (int64_t t = 0; t < tokens; ++t) {
     const float mean = m[t] / count;
     const float r = 1.0f / std::sqrt(mean + e);
     for (int64_t i = 0; i < n; ++i) {
-      const float scaled = x[t * n + i] * r;
-      y[t * n + i] = w[i] * scaled;
+      const T scaled = round_to<T>(widen(x[t * n + i]) * r);
+      y[t * n + i] = round_to<T>(widen(w[i]) * widen(scaled));
     }
   }
   return out;
@@ -103,69 +115,107 @@ at::Tensor rms_norm_f32(const at::Tensor& h, const at::Tensor& weight, double ep
 
 // Rotary embedding of the first `rotated` heads of qkv [T, all heads, d] into a new [T, rotated,
 // d]: x * cos + rot(x) * sin, rot(x) = (-x[half:], x[:half]), three roundings as in `rotate`.
-at::Tensor rotate_f32(const at::Tensor& qkv, int64_t rotated, const at::Tensor& cos, const at::Tensor& sin) {
+template <typename T>
+at::Tensor rotate_loops(const at::Tensor& qkv, int64_t rotated, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = qkv.size(0), all = qkv.size(1), d = qkv.size(2), half = d / 2;
   auto out = at::empty({tokens, rotated, d}, qkv.options());
-  const float* x = qkv.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* sn = sin.data_ptr<float>();
-  float* y = out.data_ptr<float>();
+  const T* x = qkv.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* sn = sin.data_ptr<T>();
+  T* y = out.data_ptr<T>();
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t hd = 0; hd < rotated; ++hd) {
-      const float* xv = x + (t * all + hd) * d;
-      const float* ct = c + t * d;
-      const float* st = sn + t * d;
-      float* yv = y + (t * rotated + hd) * d;
+      const T* xv = x + (t * all + hd) * d;
+      const T* ct = c + t * d;
+      const T* st = sn + t * d;
+      T* yv = y + (t * rotated + hd) * d;
       for (int64_t i = 0; i < d; ++i) {
-        const float rot = i < half ? -xv[i + half] : xv[i - half];
-        const float a = xv[i] * ct[i];
-        const float b = rot * st[i];
-        yv[i] = a + b;
+        const float rot = i < half ? -widen(xv[i + half]) : widen(xv[i - half]);
+        const T a = round_to<T>(widen(xv[i]) * widen(ct[i]));
+        const T b = round_to<T>(rot * widen(st[i]));
+        yv[i] = round_to<T>(widen(a) + widen(b));
       }
     }
   return out;
 }
 
 // h += y, elementwise (h is this step's own buffer).
+template <typename T>
 void add_into(at::Tensor& h, const at::Tensor& y) {
-  float* a = h.data_ptr<float>();
-  const float* b = y.data_ptr<float>();
-  for (int64_t i = 0, n = h.numel(); i < n; ++i) a[i] = a[i] + b[i];
+  T* a = h.data_ptr<T>();
+  const T* b = y.data_ptr<T>();
+  for (int64_t i = 0, n = h.numel(); i < n; ++i) a[i] = round_to<T>(widen(a[i]) + widen(b[i]));
 }
 
 // silu(gate) * up for gate_up [T, 2 I]: ATen's SiLU, the product a loop.
-at::Tensor gated_f32(const at::Tensor& gate_up, int64_t intermediate) {
+template <typename T>
+at::Tensor gated_loops(const at::Tensor& gate_up, int64_t intermediate) {
   auto act = at::silu(gate_up.slice(-1, 0, intermediate)).contiguous();
   const int64_t tokens = gate_up.size(0);
-  float* a = act.data_ptr<float>();
-  const float* g = gate_up.data_ptr<float>();
+  T* a = act.data_ptr<T>();
+  const T* g = gate_up.data_ptr<T>();
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t i = 0; i < intermediate; ++i)
-      a[t * intermediate + i] = a[t * intermediate + i] * g[t * 2 * intermediate + intermediate + i];
+      a[t * intermediate + i] = round_to<T>(widen(a[t * intermediate + i]) * widen(g[t * 2 * intermediate + intermediate + i]));
   return act;
 }
 
 // K or V rows x [T, kv_heads, d] (any strides) stored at their slots of a model-dtype cache
 // layer [blocks, block_size, kv_heads, d]: index_copy_'s copy, row by row.
-void store_rows_f32(const at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
+template <typename T>
+void store_rows(const at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
   const int64_t tokens = x.size(0), kv_heads = x.size(1), d = x.size(2);
-  float* base = cache.data_ptr<float>();
-  const float* src = x.data_ptr<float>();
+  T* base = cache.data_ptr<T>();
+  const T* src = x.data_ptr<T>();
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t hd = 0; hd < kv_heads; ++hd)
-      std::memcpy(base + (slots[t] * kv_heads + hd) * d, src + t * x.stride(0) + hd * x.stride(1), d * sizeof(float));
+      std::memcpy(base + (slots[t] * kv_heads + hd) * d, src + t * x.stride(0) + hd * x.stride(1), d * sizeof(T));
+}
+
+// Which elementwise code a step runs: ATen's ops, or the loops above for fp32 or bf16.
+enum class Act { kAten, kFloat, kBF16 };
+
+at::Tensor norm_step(Act act, const at::Tensor& h, const at::Tensor& weight, double eps) {
+  if (act == Act::kFloat) return rms_norm_loops<float>(h, weight, eps);
+  if (act == Act::kBF16) return rms_norm_loops<c10::BFloat16>(h, weight, eps);
+  return rms_norm(h, weight, eps);
+}
+
+// Queries and keys (the first `rotated` heads of qkv) rotated.
+at::Tensor rotate_step(Act act, const at::Tensor& qkv, int64_t rotated, const at::Tensor& cos, const at::Tensor& sin) {
+  if (act == Act::kFloat) return rotate_loops<float>(qkv, rotated, cos, sin);
+  if (act == Act::kBF16) return rotate_loops<c10::BFloat16>(qkv, rotated, cos, sin);
+  return rotate(qkv.slice(1, 0, rotated), cos, sin);
+}
+
+// The residual: h + y, into h where the loops run (h is then the step's own buffer).
+void residual_step(Act act, at::Tensor& h, const at::Tensor& y) {
+  if (act == Act::kFloat) add_into<float>(h, y);
+  else if (act == Act::kBF16) add_into<c10::BFloat16>(h, y);
+  else h = h + y;
+}
+
+at::Tensor gated_step(Act act, const at::Tensor& gate_up, int64_t intermediate) {
+  if (act == Act::kFloat) return gated_loops<float>(gate_up.contiguous(), intermediate);
+  if (act == Act::kBF16) return gated_loops<c10::BFloat16>(gate_up.contiguous(), intermediate);
+  auto parts = gate_up.split({intermediate, intermediate}, -1);
+  return at::silu(parts[0]) * parts[1];
 }
 
 // One layer's K and V into a quantized or model-dtype cache layer.
+// `direct`: the cache holds the activations' type (`act`'s), with int64 slots: rows are copied.
 void store_kv(const at::Tensor& kc, const at::Tensor& vc, const c10::optional<at::Tensor>& ks,
               const c10::optional<at::Tensor>& vs, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& slots, int64_t kv_heads, int64_t head_dim, bool direct) {
+              const at::Tensor& slots, int64_t kv_heads, int64_t head_dim, bool direct, Act act) {
   if (ks.has_value()) {
     write_quantized(kc, *ks, k, slots);
     write_quantized(vc, *vs, v, slots);
-  } else if (direct) {
-    store_rows_f32(kc, k, slots.data_ptr<int64_t>());
-    store_rows_f32(vc, v, slots.data_ptr<int64_t>());
+  } else if (direct && act == Act::kFloat) {
+    store_rows<float>(kc, k, slots.data_ptr<int64_t>());
+    store_rows<float>(vc, v, slots.data_ptr<int64_t>());
+  } else if (direct && act == Act::kBF16) {
+    store_rows<c10::BFloat16>(kc, k, slots.data_ptr<int64_t>());
+    store_rows<c10::BFloat16>(vc, v, slots.data_ptr<int64_t>());
   } else {
     kc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k);
     vc.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
@@ -196,19 +246,25 @@ at::Tensor decode_layers(
     const c10::optional<at::Tensor>& v_scale) {
   const int64_t tokens = h.size(0);
   const int64_t layers = static_cast<int64_t>(norm1.size());
-  // The loops' path: fp32 activations and rotary tables, and (for the direct K/V copy) an fp32
-  // cache with int64 slots. Anything else takes the ATen ops.
-  const bool f32 = h.scalar_type() == at::kFloat && h.is_contiguous() && cos.scalar_type() == at::kFloat
-                   && sin.scalar_type() == at::kFloat && h.dim() == 2;
-  const bool direct = f32 && !k_scale.has_value() && k_cache.scalar_type() == at::kFloat
+  // The loops' path: fp32 or bf16 activations, with rotary tables and norm weights of the same
+  // type, and (for the direct K/V copy) a cache of that type with int64 slots. Anything else
+  // takes the ATen ops.
+  const auto type = h.scalar_type();
+  bool loops = (type == at::kFloat || type == at::kBFloat16) && h.is_contiguous() && h.dim() == 2
+               && cos.scalar_type() == type && sin.scalar_type() == type;
+  for (int64_t i = 0; loops && i < layers; ++i)
+    loops = norm1[i].scalar_type() == type && norm2[i].scalar_type() == type && norm1[i].is_contiguous()
+            && norm2[i].is_contiguous();
+  const Act act = !loops ? Act::kAten : type == at::kFloat ? Act::kFloat : Act::kBF16;
+  const bool direct = loops && !k_scale.has_value() && k_cache.scalar_type() == type
                       && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong
                       && slots.is_contiguous();
-  const at::Tensor cos_c = f32 ? cos.contiguous() : cos, sin_c = f32 ? sin.contiguous() : sin;
-  if (f32) h = h.clone();    // the step's own buffer: residual adds go into it, the caller's h is kept
+  const at::Tensor cos_c = loops ? cos.contiguous() : cos, sin_c = loops ? sin.contiguous() : sin;
+  if (loops) h = h.clone();    // the step's own buffer: residual adds go into it, the caller's h is kept
   for (int64_t i = 0; i < layers; ++i) {
-    auto x = f32 ? rms_norm_f32(h, norm1[i], eps1[i]) : rms_norm(h, norm1[i], eps1[i]);
+    auto x = norm_step(act, h, norm1[i], eps1[i]);
     auto qkv = project(x, w_qkv[i], b_qkv[i], kinds[4 * i], dense_from_rows).view({tokens, -1, head_dim});
-    auto qk = f32 ? rotate_f32(qkv, heads + kv_heads, cos_c, sin_c) : rotate(qkv.slice(1, 0, heads + kv_heads), cos, sin);
+    auto qk = rotate_step(act, qkv, heads + kv_heads, cos_c, sin_c);
     auto q = qk.slice(1, 0, heads);
     auto k = qk.slice(1, heads);
     auto v = qkv.slice(1, heads + kv_heads);
@@ -218,22 +274,16 @@ at::Tensor decode_layers(
       ks = k_scale->select(0, i);
       vs = v_scale->select(0, i);
     }
-    store_kv(kc, vc, ks, vs, k, v, slots, kv_heads, head_dim, direct);
+    store_kv(kc, vc, ks, vs, k, v, slots, kv_heads, head_dim, direct, act);
     // attention.paged_attention_torch's decode rows: the same kernel, blocks read in place.
     auto o = paged_decode_attention(q, kc, vc, table, lens, scaling[i], windows[i], ks, vs);
     auto attn_out = project(o.reshape({tokens, heads * head_dim}), w_o[i], b_o[i], kinds[4 * i + 1], dense_from_rows);
-    if (f32) add_into(h, attn_out); else h = h + attn_out;
-    x = f32 ? rms_norm_f32(h, norm2[i], eps2[i]) : rms_norm(h, norm2[i], eps2[i]);
+    residual_step(act, h, attn_out);
+    x = norm_step(act, h, norm2[i], eps2[i]);
     auto gate_up = project(x, w_gate_up[i], b_gate_up[i], kinds[4 * i + 2], dense_from_rows);
-    at::Tensor mlp_in;
-    if (f32) {
-      mlp_in = gated_f32(gate_up.contiguous(), intermediate);
-    } else {
-      auto parts = gate_up.split({intermediate, intermediate}, -1);
-      mlp_in = at::silu(parts[0]) * parts[1];
-    }
+    auto mlp_in = gated_step(act, gate_up, intermediate);
     auto mlp_out = project(mlp_in, w_down[i], b_down[i], kinds[4 * i + 3], dense_from_rows);
-    if (f32) add_into(h, mlp_out); else h = h + mlp_out;
+    residual_step(act, h, mlp_out);
   }
   return h;
 }
