@@ -55,7 +55,8 @@ struct Args {
   float scale;
 };
 
-// One (row, KV head). `scratch` holds the group's query in float, its scores and its sums.
+// One (row, KV head). `scratch` holds the group's query in float, its sums, its scores and (the
+// 16-key path) 16 keys' partial sums per query head.
 // D > 0 fixes the head size at compile time (common sizes unroll fully), 0 reads it from `a`.
 template <typename T, typename K, int D, bool Wide>
 PAGEDKV_INLINE void item_body(const Args<T, K>& a, int64_t item, std::vector<float>& scratch) {

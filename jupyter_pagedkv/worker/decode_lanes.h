@@ -33,7 +33,7 @@ using pkv_codes::Fp8E4M3;
 // e4m3 codes through a 1 KiB table of `widen`'s values (the same floats, bit for bit): in the
 // dot and axpy loops below, the arithmetic form did not vectorise, and decode over an fp8 cache
 // ran 13x slower than over int8 (9.96 against 0.76 ms a layer at 16 sequences of 500 tokens).
-const std::array<float, 256> kFp8Values = [] {
+inline const std::array<float, 256> kFp8Values = [] {
   std::array<float, 256> t{};
   for (int c = 0; c < 256; ++c) t[c] = pkv_codes::widen(Fp8E4M3{static_cast<uint8_t>(c)});
   return t;
@@ -70,28 +70,26 @@ PAGEDKV_INLINE float reduce(const float* part) {
 // bit for bit (each key's sums are added in the same tree: l + 8, then l + 4, then (0 + 2) +
 // (1 + 3)), but pairs of vectors share each level's shuffles and adds: 30 two-source shuffles and
 // 15 adds for 16 keys, where `reduce` takes five shuffles and five adds for one.
-typedef int32_t Ints16 __attribute__((vector_size(64)));
-PAGEDKV_INLINE Floats16 pair_sum(Floats16 a, Floats16 b, Ints16 lo, Ints16 hi) {
-  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
+// (`__builtin_shufflevector`: GCC 12 and later, and clang.)
+#define PAGEDKV_PAIR_SUM(a, b, LO, HI) (__builtin_shufflevector(a, b, LO) + __builtin_shufflevector(a, b, HI))
+#define PAGEDKV_E_LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define PAGEDKV_E_HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define PAGEDKV_F_LO 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define PAGEDKV_F_HI 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define PAGEDKV_T_LO 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define PAGEDKV_T_HI 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define PAGEDKV_O_LO 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define PAGEDKV_O_HI 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
 PAGEDKV_INLINE Floats16 reduce16(const float* parts) {
   Floats16 v[16];
   std::memcpy(v, parts, sizeof v);
-  const Ints16 e_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const Ints16 e_hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  Floats16 eight[8];     // eight[i]: keys 2i and 2i + 1, eight lanes each
-  for (int i = 0; i < 8; ++i) eight[i] = pair_sum(v[2 * i], v[2 * i + 1], e_lo, e_hi);
-  const Ints16 f_lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const Ints16 f_hi = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  Floats16 four[4];      // four[i]: keys 4i to 4i + 3, four lanes each
-  for (int i = 0; i < 4; ++i) four[i] = pair_sum(eight[2 * i], eight[2 * i + 1], f_lo, f_hi);
-  const Ints16 t_lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const Ints16 t_hi = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  Floats16 eight[8];     // eight[i]: keys 2i and 2i + 1, eight lanes each (lane l + lane l + 8)
+  for (int i = 0; i < 8; ++i) eight[i] = PAGEDKV_PAIR_SUM(v[2 * i], v[2 * i + 1], PAGEDKV_E_LO, PAGEDKV_E_HI);
+  Floats16 four[4];      // four[i]: keys 4i to 4i + 3, four lanes each (l + l + 4)
+  for (int i = 0; i < 4; ++i) four[i] = PAGEDKV_PAIR_SUM(eight[2 * i], eight[2 * i + 1], PAGEDKV_F_LO, PAGEDKV_F_HI);
   Floats16 two[2];       // two[i]: keys 8i to 8i + 7, (lane 0 + lane 2, lane 1 + lane 3) each
-  for (int i = 0; i < 2; ++i) two[i] = pair_sum(four[2 * i], four[2 * i + 1], t_lo, t_hi);
-  const Ints16 o_lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const Ints16 o_hi = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  return pair_sum(two[0], two[1], o_lo, o_hi);
+  for (int i = 0; i < 2; ++i) two[i] = PAGEDKV_PAIR_SUM(four[2 * i], four[2 * i + 1], PAGEDKV_T_LO, PAGEDKV_T_HI);
+  return PAGEDKV_PAIR_SUM(two[0], two[1], PAGEDKV_O_LO, PAGEDKV_O_HI);
 }
 
 // 16 consecutive elements widened to float, as one vector (bf16 by a shift, in vector types, so
@@ -175,7 +173,9 @@ constexpr int64_t kAhead = 8;
 template <typename K>
 PAGEDKV_INLINE void prefetch(const K* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(K)); off += 64) __builtin_prefetch(c + off, 0, 3);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(K));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  __builtin_prefetch(c + bytes - 1, 0, 3);    // the last line, where the row is not 64-byte aligned
 }
 
 template <typename T>

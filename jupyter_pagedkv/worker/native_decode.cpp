@@ -160,7 +160,7 @@ at::Tensor gated_loops(const at::Tensor& gate_up, int64_t intermediate) {
   return act;
 }
 
-// K or V rows x [T, kv_heads, d] (any strides) stored at their slots of a model-dtype cache
+// K or V rows x [T, kv_heads, d] (tokens and heads at any stride, features contiguous) stored at their slots of a model-dtype cache
 // layer [blocks, block_size, kv_heads, d]: index_copy_'s copy, row by row.
 template <typename T>
 void store_rows(const at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
@@ -251,7 +251,8 @@ at::Tensor decode_layers(
   // takes the ATen ops.
   const auto type = h.scalar_type();
   bool loops = (type == at::kFloat || type == at::kBFloat16) && h.is_contiguous() && h.dim() == 2
-               && cos.scalar_type() == type && sin.scalar_type() == type;
+               && cos.scalar_type() == type && sin.scalar_type() == type
+               && cos.numel() == h.size(0) * head_dim && sin.numel() == cos.numel();
   for (int64_t i = 0; loops && i < layers; ++i)
     loops = norm1[i].scalar_type() == type && norm2[i].scalar_type() == type && norm1[i].is_contiguous()
             && norm2[i].is_contiguous();

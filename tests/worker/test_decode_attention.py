@@ -67,21 +67,25 @@ def test_reads_a_query_sliced_from_packed_projections(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_depends_on_nothing_but_the_row(kernel, dtype):
-    """Not on the other rows of the batch, the thread count, or the CPU's vector width."""
-    q, k, v, table, lens = case(dtype, lens=(3, 70, 95, 18, 50, 1, 64, 33))
-    batch = kernel.paged_decode_attention(q, k, v, table, lens, 0.125, 0)
+@pytest.mark.parametrize("heads, kv_heads, d, window", [(9, 3, 64, 0), (4, 4, 128, 33), (8, 1, 64, 21),
+                                                        (16, 2, 128, 0), (8, 2, 40, 0)])
+def test_a_rows_result_depends_on_nothing_but_the_row(kernel, dtype, heads, kv_heads, d, window):
+    """Not on the other rows of the batch, the thread count, or the CPU's vector width (AVX-512's
+    16-key path for head sizes 64 and 128, windowed or not, against AVX2's and the baseline's
+    key-by-key loops)."""
+    q, k, v, table, lens = case(dtype, heads, kv_heads, d, lens=(3, 70, 95, 18, 50, 1, 64, 33))
+    batch = kernel.paged_decode_attention(q, k, v, table, lens, 0.125, window)
     for r in (0, 2, 5):
-        alone = kernel.paged_decode_attention(q[r:r + 1], k, v, table[r:r + 1], lens[r:r + 1], 0.125, 0)
+        alone = kernel.paged_decode_attention(q[r:r + 1], k, v, table[r:r + 1], lens[r:r + 1], 0.125, window)
         assert torch.equal(alone[0], batch[r])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernel.paged_decode_attention(q, k, v, table, lens, 0.125, 0), batch)
+        assert torch.equal(kernel.paged_decode_attention(q, k, v, table, lens, 0.125, window), batch)
     finally:
         torch.set_num_threads(threads)
     for isa in ("avx512", "avx2", "generic"):
-        assert torch.equal(kernel.paged_decode_attention_isa(q, k, v, table, lens, 0.125, 0, isa), batch), isa
+        assert torch.equal(kernel.paged_decode_attention_isa(q, k, v, table, lens, 0.125, window, isa), batch), isa
 
 
 def test_bad_arguments_get_one_line_errors(kernel):
