@@ -91,6 +91,15 @@ PAGEDKV_INLINE Floats16 reduce16(const float* parts) {
   for (int i = 0; i < 2; ++i) two[i] = PAGEDKV_PAIR_SUM(four[2 * i], four[2 * i + 1], PAGEDKV_T_LO, PAGEDKV_T_HI);
   return PAGEDKV_PAIR_SUM(two[0], two[1], PAGEDKV_O_LO, PAGEDKV_O_HI);
 }
+#undef PAGEDKV_PAIR_SUM
+#undef PAGEDKV_E_LO
+#undef PAGEDKV_E_HI
+#undef PAGEDKV_F_LO
+#undef PAGEDKV_F_HI
+#undef PAGEDKV_T_LO
+#undef PAGEDKV_T_HI
+#undef PAGEDKV_O_LO
+#undef PAGEDKV_O_HI
 
 // 16 consecutive elements widened to float, as one vector (bf16 by a shift, in vector types, so
 // it stays in registers).
