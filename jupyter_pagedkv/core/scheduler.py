@@ -53,14 +53,14 @@ class ScheduledChunk:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One step's schedule: chunks as (request id, sample index, start, tokens, samples),
-    preempted ids, and how many blocks were swapped out / in."""
-
+    """One step's schedule: chunks as (request id, sample index, start, tokens, samples), preempted
+    ids, blocks swapped out / in; `drafts` (request id, sample index, k): a chunk's tokens count k drafts."""
     chunks: tuple[tuple[str, int, int, int, bool], ...]
     preempted: tuple[str, ...]
     num_swap_out: int = 0
     num_swap_in: int = 0
     duration_s: float = 0.0   # filled in by whoever ran the step (wall clock or cost model)
+    drafts: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(slots=True)

@@ -86,9 +86,13 @@ class Stepping:
                 raise
 
     def _step(self, sched: SchedulerOutput, t0: float) -> list[RequestOutput]:
-        record = sched.record() if self.trace is not None else None
         self.runner.clock.enabled = self.step_timings is not None
         drafts = self.speculator.propose(sched)
+        record = None   # taken once the drafts widened their chunks, so a replay sees what ran
+        if self.trace is not None:
+            record = dataclasses.replace(sched.record(), drafts=tuple(
+                (d.chunk.seq.request_id, d.chunk.seq.sample_index, d.chunk.seq.num_tokens - d.base_len)
+                for d in drafts.values()))
         mark_prompt_rows(sched.chunks, self._requests)
         try:
             sampling, logits = self.runner.execute(sched.chunks, sched.copies, sched.swap_out, sched.swap_in)

@@ -2,7 +2,8 @@
 oracle: transformers' own model replaying the engine's schedule, with an attention that reads every
 earlier position quantized and dequantized exactly as the format says (tests/kvq_reference.py), so
 preemption (swap and recompute), prefix-cache hits, forks (copy-on-write) and chunked prefill must
-all give its tokens. And the cost of quantizing, loosely bounded against the unquantized model."""
+all give its tokens; so must speculative decoding's verifying chunks, sliding windows and logit
+soft-capping. And the cost of quantizing, loosely bounded against the unquantized model."""
 from __future__ import annotations
 
 import pytest
@@ -71,6 +72,34 @@ def test_prefix_hits_and_forks_read_the_same_quantized_blocks(make_engine, kind)
     assert info.kv_phrase == "KV int8, 528 bytes per token" and " in int8 with a float16 scale" in info.summary
     assert [c.token_ids for c in outs[0].outputs] == [list(first.values())[0]] * 2   # a fork: two copies, CoW
     assert again == again_oracle
+
+
+@pytest.mark.parametrize("kind, spec", [("fp8_e4m3", "draft-model"), ("int8", "ngram")])
+def test_verifying_chunks_read_the_quantized_cache_as_the_oracle_does(make_engine, kind, spec):
+    """A verifying chunk (the last token and k drafts) attends its own rows as computed and the
+    rest quantized, as a prefill chunk does; the kept drafts' KV is then read back quantized."""
+    draft = tiny_model("llama-gqa64", seed=3) if spec == "draft-model" else "ngram"   # same weights: kept
+    engine = make_engine(MODEL, block_size=4, kv_cache_dtype=kind, speculative=draft, num_speculative_tokens=4)
+    looping = [[5, 6, 7, 8, 9, 10, 11] * 4, list(range(30, 70)) * 2]    # n-gram lookup finds these
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs, ours, theirs = generate_and_replay(engine, Oracle(MODEL, kind), PROMPTS[:2] + looping, params)
+    assert all(len(t) == 24 and theirs[key][:24] == t for key, t in ours.items())
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 0 and stats.spec_proposed_tokens > stats.spec_accepted_tokens
+    assert any(record.drafts for record in engine.trace)
+
+
+@pytest.mark.parametrize("arch, kind", [("mistral-window48-gqa64", "fp8_e4m3"), ("gemma2-softcap", "int8")],
+                         ids=["window48-fp8", "window16-softcap-int8"])
+def test_windows_and_soft_capping_over_a_quantized_cache(make_engine, arch, kind):
+    """Prompts of 70-110 tokens cross the window in prefill chunks of 32 and again while decoding;
+    the first case runs the C++ kernels (heads of 64), the second the torch paths (soft-capped)."""
+    model = tiny_model(arch, seed=3)
+    engine = make_engine(model, block_size=4, kv_cache_dtype=kind, max_num_batched_tokens=32)
+    prompts = random_prompts(3, 256, seed=8, lo=70, hi=110)
+    _, ours, theirs = generate_and_replay(engine, Oracle(model, kind), prompts,
+                                          SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
