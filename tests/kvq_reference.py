@@ -131,7 +131,9 @@ class Oracle:
         assert donors, f"no earlier sequence computed the first {start} tokens of {rid}"
         cache = copy.deepcopy(donors[0].cache)
         _crop(cache, start)
-        return _Stream(list(donors[0].tokens[:start + 1]) if index > 0 else list(prompt), cache)
+        # A sample holds the prompt and the first token sampled for all (even if it is recomputed
+        # from below the prompt's end before its first chunk runs).
+        return _Stream(list(donors[0].tokens[:len(prompt) + 1]) if index > 0 else list(prompt), cache)
 
 
 def _crop(cache: DynamicCache, length: int) -> None:

@@ -53,8 +53,8 @@ class ScheduledChunk:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One step's schedule: chunks as (request id, sample index, start, tokens, samples), preempted
-    ids, blocks swapped out / in; `drafts` (request id, sample index, k): a chunk's tokens count k drafts."""
+    """One step's schedule: chunks as (request id, sample index, start, tokens, samples), preempted ids,
+    blocks swapped out / in; `drafts` (request id, sample index, k): tokens counting k unverified drafts."""
     chunks: tuple[tuple[str, int, int, int, bool], ...]
     preempted: tuple[str, ...]
     num_swap_out: int = 0
@@ -89,7 +89,7 @@ class SchedulerOutput:
 
     def record(self) -> StepRecord:
         """What this step decided, in a form two runs (real engine, simulator) can compare;
-        take it before the step's new tokens are appended (`samples` depends on that)."""
+        take it once drafts widened their chunks, before new tokens are appended (`samples`)."""
         return StepRecord(tuple((c.seq.request_id, c.seq.sample_index, c.start, c.num_tokens, c.samples)
                                 for c in self.chunks),
                           tuple(s.request_id for s in self.preempted),

@@ -2,6 +2,7 @@
 cost model fitted to measured steps — the same total time and median latency within 20%."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -95,9 +96,9 @@ def offline_check(engine, prompts: list[TimedPrompt]) -> tuple[ScheduleCheck, li
     # generate() names requests itself; map them back to ours, in submission order.
     by_id = {p.request_id: o for p, o in zip(prompts, outs)}
     renamed = {o.request_id: p.request_id for p, o in zip(prompts, outs)}
-    trace = [StepRecord(tuple((renamed[c[0]], *c[1:]) for c in r.chunks),
-                        tuple(renamed[x] for x in r.preempted), r.num_swap_out, r.num_swap_in,
-                        r.duration_s) for r in trace]
+    trace = [dataclasses.replace(r, chunks=tuple((renamed[c[0]], *c[1:]) for c in r.chunks),
+                                 preempted=tuple(renamed[x] for x in r.preempted),
+                                 drafts=tuple((renamed[d[0]], *d[1:]) for d in r.drafts)) for r in trace]
     engine.reset_prefix_cache()
     sim = Simulator(sim_config_of(engine), model_cost_of(engine), CostModel(0, 0, 0, 0))
     result = sim.run(replay_requests([TimedPrompt(p.request_id, 0.0, p.prompt_ids, p.params, p.priority)

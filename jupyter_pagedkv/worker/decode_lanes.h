@@ -122,6 +122,14 @@ PAGEDKV_INLINE Floats16 load16(const c10::BFloat16* b) {
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
+template <>
+PAGEDKV_INLINE Floats16 load16(const Fp8E4M3* b) {
+  float f[kLanes];
+  for (int l = 0; l < kLanes; ++l) f[l] = kFp8Values[b[l].x];
+  Floats16 v;
+  std::memcpy(&v, f, sizeof v);
+  return v;
+}
 
 // Lane l sums the products at l, l + 16, ... (mul, then add: no contraction), then the tree.
 // float and bf16 as vectors; other element types lane by lane into an array, which the compiler

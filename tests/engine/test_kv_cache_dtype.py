@@ -78,14 +78,16 @@ def test_prefix_hits_and_forks_read_the_same_quantized_blocks(make_engine, kind)
 def test_verifying_chunks_read_the_quantized_cache_as_the_oracle_does(make_engine, kind, spec):
     """A verifying chunk (the last token and k drafts) attends its own rows as computed and the
     rest quantized, as a prefill chunk does; the kept drafts' KV is then read back quantized."""
-    draft = tiny_model("llama-gqa64", seed=3) if spec == "draft-model" else "ngram"   # same weights: kept
+    draft = tiny_model("llama-gqa64", seed=3) if spec == "draft-model" else "ngram"   # same weights: mostly kept
     engine = make_engine(MODEL, block_size=4, kv_cache_dtype=kind, speculative=draft, num_speculative_tokens=4)
     looping = [[5, 6, 7, 8, 9, 10, 11] * 4, list(range(30, 70)) * 2]    # n-gram lookup finds these
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs, ours, theirs = generate_and_replay(engine, Oracle(MODEL, kind), PROMPTS[:2] + looping, params)
     assert all(len(t) == 24 and theirs[key][:24] == t for key, t in ours.items())
     stats = engine.stats()
-    assert stats.spec_accepted_tokens > 0 and stats.spec_proposed_tokens > stats.spec_accepted_tokens
+    assert stats.spec_accepted_tokens > 0
+    if spec == "ngram":       # rejected drafts too: a verifying chunk's rows past them thrown away
+        assert stats.spec_proposed_tokens > stats.spec_accepted_tokens
     assert any(record.drafts for record in engine.trace)
 
 
@@ -100,6 +102,10 @@ def test_windows_and_soft_capping_over_a_quantized_cache(make_engine, arch, kind
     _, ours, theirs = generate_and_replay(engine, Oracle(model, kind), prompts,
                                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert ours == theirs
+    plan = engine._runner.plan
+    if arch.endswith("gqa64"):    # the prefill kernel needs AVX-512 (fp32): elsewhere SDPA runs, and says so
+        assert plan.decode_attention.choice == "native", plan.decode_attention
+        assert plan.prefill_attention.choice == "native" or "AVX-512" in plan.prefill_attention.reason
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
