@@ -89,7 +89,7 @@ class Oracle:
         it: the engine may have kept fewer)."""
         with attention(self.model, f"kvq_replay_{self.kind}"):
             for record in trace:
-                drafts = {(rid, index): k for rid, index, k in getattr(record, "drafts", ())}
+                drafts = {(rid, index): k for rid, index, k in record.drafts}
                 for rid, index, start, n, samples in record.chunks:
                     stream = self.streams.get((rid, index)) or self._first(rid, index, start, prompts[rid])
                     self.streams[(rid, index)] = stream

@@ -91,8 +91,7 @@ class Stepping:
         record = None   # taken once the drafts widened their chunks, so a replay sees what ran
         if self.trace is not None:
             record = dataclasses.replace(sched.record(), drafts=tuple(
-                (d.chunk.seq.request_id, d.chunk.seq.sample_index, d.chunk.seq.num_tokens - d.base_len)
-                for d in drafts.values()))
+                (d.chunk.seq.request_id, d.chunk.seq.sample_index, len(d.proposal.tokens)) for d in drafts.values()))
         mark_prompt_rows(sched.chunks, self._requests)
         try:
             sampling, logits = self.runner.execute(sched.chunks, sched.copies, sched.swap_out, sched.swap_in)

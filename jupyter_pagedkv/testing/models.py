@@ -32,13 +32,14 @@ def _sharpen(model) -> None:
         model.get_output_embeddings().weight.mul_(8.0)
 
 
-def _steepen_attention(model, factor: float) -> None:
+def _steepen_attention(model, factor: float):
     """Random init leaves attention scores near 0 (|s| < 0.2 here); scaling the query and key
     projections by `factor` multiplies them by its square, so a soft-cap has scores to cap."""
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(factor)
             layer.self_attn.k_proj.weight.mul_(factor)
+    return model
 
 
 def tiny_model(arch: str, vocab: int = 256, seed: int = 0):
@@ -63,17 +64,15 @@ def tiny_model(arch: str, vocab: int = 256, seed: int = 0):
         "mistral-window48-gqa64": lambda: tf.MistralForCausalLM(tf.MistralConfig(**gqa64, sliding_window=48)),
         # logit soft-capping that bites (scores up to ~5, capped at +-2; `_steepen_attention`) on a
         # sliding layer and a full one
-        "gemma2-softcap": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(
+        "gemma2-softcap": lambda: _steepen_attention(tf.Gemma2ForCausalLM(tf.Gemma2Config(
             **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
-            attn_logit_softcapping=2.0, final_logit_softcapping=None)),
+            attn_logit_softcapping=2.0, final_logit_softcapping=None)), 6.0),
     }
     if arch not in builders:
         raise ValueError(f"unknown tiny architecture {arch!r}: one of {sorted(builders)}")
     torch.manual_seed(seed)
     model = builders[arch]()
     _sharpen(model)
-    if arch == "gemma2-softcap":
-        _steepen_attention(model, 6.0)
     return model.eval()
 
 
