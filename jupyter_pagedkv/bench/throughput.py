@@ -110,8 +110,8 @@ def run_vllm(model_dir: Path, prompts, limits, repeats: int, dtype: str = "float
 
 
 def run_peer_vllm(model_dir: Path, payload, repeats: int, dtype: str, timeout: int) -> dict | None:
-    """One start of peer_vllm.py in the peer venv on `payload` (its request list, or
-    {"workloads": {name: requests}}); its JSON result, or None (the reason on stderr)."""
+    """One start of peer_vllm.py in the peer venv on `payload` (its request list); its JSON
+    result, or None (the reason on stderr). (`--shapes` keeps one vLLM up instead: vllm_session.py.)"""
     python = PEER_VENV / "bin" / "python"
     with tempfile.TemporaryDirectory() as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"

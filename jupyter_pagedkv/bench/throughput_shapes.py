@@ -6,9 +6,11 @@ outputs, one shared or one system prompt per request, 8 to 64 requests) vary wha
 and the model runner feel, and the claim is the worst of them. The first table per dtype is like
 for like (dense weights, the KV cache in the model's dtype: what vLLM CPU runs); with
 `--weights packed` and/or `--kv-cache-dtype X` a second table runs ours with them against the same
-vLLM runs. Both engines keep their default prefix caching and start every round cold. Ours runs all
-rounds of all shapes first, then vLLM runs them in one start (its start-up costs a minute or more),
-its repeat i paired with our round i. Greedy, EOS ignored: every request generates its max_tokens.
+vLLM runs. Both engines keep their default prefix caching and start every round cold. vLLM starts
+once per dtype (its start-up costs a minute or more) and stays up (vllm_session.py); then, round
+after round, every shape runs on ours and on vLLM back to back, who goes first alternating shape by
+shape, so the host's drift (±20-50% over minutes here) falls on both sides of each ratio alike;
+vLLM's round i pairs with ours. Greedy, EOS ignored: every request generates its max_tokens.
 
 JSON (--json PATH): {machine, shapes: [{name, seed, requests, outputs, prefix}], vllm: {dtype:
 version or null}, tables: {dtype: {label: {rows: [{shape, requests, tokens, ours_round_seconds,
@@ -20,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from . import throughput_report as report
 from ..sim.workload import draw_shapes, shape_requests
-from .throughput import DTYPES, PEER_VENV, parse_args, run_ours, run_peer_vllm
+from .throughput import DTYPES, PEER_VENV, parse_args, run_ours
 
 LIKE_FOR_LIKE = "like for like (dense weights, KV cache in the model's dtype)"
 
@@ -61,13 +64,7 @@ def run_shapes(args, tokenizer, model_dir: Path, dtypes: list[str], note: str | 
     configs = _configs(args, notes)
     tables, versions = {}, {}
     for dtype in dtypes:
-        ours = {}
-        for label, weights, options in configs:
-            if weights == "packed" and dtype != "float32":
-                notes.append(f"{dtype}: no '{label}' table: packed weights compute in fp32")
-                continue
-            ours[label] = _run_ours_shapes(dtype, weights, options, tokenizer, work, args.rounds, label)
-        peer = _run_vllm_sets(model_dir, work, args.rounds, dtype) if "vllm" not in args.skip else None
+        ours, peer = _run_interleaved(dtype, configs, tokenizer, model_dir, work, args, notes)
         versions[dtype] = peer.get("version") if peer else None
         tables[dtype] = {label: _table(shapes, work, times_outs, peer) for label, times_outs in ours.items()}
     for line in notes:
@@ -114,26 +111,89 @@ def _tokenized(tokenizer, shape) -> tuple[list[list[int]], list[int]]:
     return prompts, [r.max_tokens for r in reqs]
 
 
-def _run_ours_shapes(dtype, weights, options, tokenizer, work, rounds, label) -> tuple[dict, dict]:
-    """Every shape, `rounds` times (round after round over all shapes, so drift spreads evenly)."""
+def _run_interleaved(dtype, configs, tokenizer, model_dir: Path, work, args, notes: list[str]):
+    """Every shape, `args.rounds` times, on each of our configs and on vLLM back to back.
+
+    Returns ({label: (times {shape: [s per round]}, outputs {shape: last round's})}, peer) where
+    peer is {"version", "workloads": {shape: {generated_tokens, round_seconds, outputs}}}, or None
+    (no peer venv, `--skip vllm`, or the peer failed: said in `notes`)."""
     from ..worker.loader import load_model
 
-    model = load_model(None, DTYPES[dtype], torch.device("cpu"), weights=weights).model
-    times: dict[str, list[float]] = {name: [] for name in work}
-    outputs: dict[str, list[list[int]]] = {}
-    print(f"\n{dtype}: ours, {label}", flush=True)
-    with torch.inference_mode():
-        first = next(iter(work.values()))[0]
-        run_ours(model, tokenizer, first[:2], [4, 4], [], **options)     # warm-up, untimed
-        for r in range(rounds):
-            for name, (prompts, limits) in work.items():
-                served: list[float] = []     # the engine's construction left out, as vLLM's start is
-                outputs[name] = run_ours(model, tokenizer, prompts, limits, [], served=served, **options)
-                times[name].append(served[0])
-                print(f"  round {r + 1}: {name}: {times[name][-1]:.1f} s", flush=True)
-    del model
+    models = {}
+    for label, weights, options in configs:
+        if weights == "packed" and dtype != "float32":
+            notes.append(f"{dtype}: no '{label}' table: packed weights compute in fp32")
+            continue
+        models[label] = (load_model(None, DTYPES[dtype], torch.device("cpu"), weights=weights).model, options)
+    session = _start_vllm(model_dir, dtype, args.skip, notes)
+    times = {label: {name: [] for name in work} for label in models}
+    outputs: dict[str, dict[str, list[list[int]]]] = {label: {} for label in models}
+    peer_sets = {name: {"generated_tokens": 0, "round_seconds": [], "outputs": []} for name in work}
+    print(f"\n{dtype}: ours ({'; '.join(models)}) and vLLM CPU, shape by shape", flush=True)
+    try:
+        with torch.inference_mode():
+            first = next(iter(work.values()))[0]
+            for model, options in models.values():
+                run_ours(model, tokenizer, first[:2], [4, 4], [], **options)     # warm-up, untimed
+            for r in range(args.rounds):
+                for i, (name, (prompts, limits)) in enumerate(work.items()):
+                    vllm_first = session is not None and (r + i) % 2 == 1
+                    if vllm_first:
+                        session = _run_vllm_set(session, name, prompts, limits, peer_sets, notes)
+                    for label, (model, options) in models.items():
+                        served: list[float] = []     # the engine's construction left out, as vLLM's start is
+                        outputs[label][name] = run_ours(model, tokenizer, prompts, limits, [], served=served,
+                                                        **options)
+                        times[label][name].append(served[0])
+                    if session is not None and not vllm_first:
+                        session = _run_vllm_set(session, name, prompts, limits, peer_sets, notes)
+                    line = ", ".join(f"ours {times[label][name][-1]:.1f} s" for label in models)
+                    if session is not None:
+                        line += f", vLLM {peer_sets[name]['round_seconds'][-1]:.1f} s"
+                    print(f"  round {r + 1}: {name}: {line}{' (vLLM first)' if vllm_first else ''}", flush=True)
+    finally:
+        version = session.version if session is not None else None
+        if session is not None:
+            session.close()
+    del models
     gc.collect()
-    return times, outputs
+    peer = {"version": version, "workloads": peer_sets} if version is not None else None
+    return {label: (times[label], outputs[label]) for label in times}, peer
+
+
+def _start_vllm(model_dir: Path, dtype: str, skip: list[str], notes: list[str]):
+    from . import vllm_session
+
+    if "vllm" in skip:
+        return None
+    if not (PEER_VENV / ".ok").exists():
+        notes.append(f"vLLM CPU: not measured (no {PEER_VENV}/.ok: run `make bench-peers` first)")
+        return None
+    print(f"{dtype}: starting vLLM CPU (once, kept up for every shape)", flush=True)
+    session = vllm_session.start(PEER_VENV / "bin" / "python", model_dir, dtype)
+    if session is None:
+        notes.append(f"{dtype}: vLLM CPU failed to start (its error above): ours alone")
+    return session
+
+
+def _run_vllm_set(session, name, prompts, limits, peer_sets, notes):
+    """One timed run of a shape on the kept vLLM; the session, or None once it has failed (every
+    vLLM figure of this dtype is then dropped: a table with some rounds missing would mislead)."""
+    from .vllm_session import PeerFailed
+
+    try:
+        res = session.run(name, [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, limits)])
+    except PeerFailed as err:
+        print(err, file=sys.stderr)
+        notes.append(f"vLLM CPU failed during {name}: no vLLM figures for this dtype")
+        session.close()
+        for entry in peer_sets.values():
+            entry["round_seconds"].clear()
+        return None
+    entry = peer_sets[name]
+    entry["generated_tokens"], entry["outputs"] = res["generated_tokens"], res["outputs"]
+    entry["round_seconds"].append(res["seconds"])
+    return session
 
 
 def _table(shapes, work, times_outs, peer: dict | None) -> dict:
@@ -142,19 +202,9 @@ def _table(shapes, work, times_outs, peer: dict | None) -> dict:
     for s in shapes:
         tokens = sum(work[s.name][1])
         p = (peer or {}).get("workloads", {}).get(s.name)
+        p = p if p and p["round_seconds"] else None
         rows.append(report.shape_row(s.name, s.requests, tokens, times[s.name],
                                      p["generated_tokens"] if p else None, p["round_seconds"] if p else []))
         if p:
             agreement[s.name] = f"{sum(a == b for a, b in zip(outputs[s.name], p['outputs']))}/{s.requests}"
     return {"rows": rows, "minimum": report.minimum_ratio(rows), "agreement": agreement}
-
-
-def _run_vllm_sets(model_dir: Path, work: dict, repeats: int, dtype: str) -> dict | None:
-    """vLLM CPU on every shape in one start of peer_vllm.py (its own venv), or None without it."""
-    if not (PEER_VENV / ".ok").exists():
-        print(f"vLLM CPU: not measured (no {PEER_VENV}/.ok: run `make bench-peers` first)")
-        return None
-    print(f"\n{dtype}: vLLM CPU, every shape in one start", flush=True)
-    payload = {"workloads": {name: [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(*w)]
-                             for name, w in work.items()}}
-    return run_peer_vllm(model_dir, payload, repeats, dtype, timeout=7200)

@@ -106,19 +106,3 @@ def test_shape_rows_pair_rounds_and_the_minimum_names_its_shape():
     # no peer measured: no ratio, no minimum
     lone = report.shape_row("0:short-shared-8", 8, 100, [1.0], None, [])
     assert lone["ours_over"] is None and report.minimum_ratio([lone]) is None
-
-
-def test_the_vllm_peer_reads_one_request_list_or_named_workloads(tmp_path):
-    from jupyter_pagedkv.bench import peer_vllm
-    one = tmp_path / "one.json"
-    one.write_text(json.dumps([{"prompt_token_ids": [1, 2], "max_tokens": 3}]))
-    assert peer_vllm.load_workloads(str(one)) is None and len(peer_vllm.load_requests(str(one))) == 1
-    many = tmp_path / "many.json"
-    many.write_text(json.dumps({"workloads": {"a": [{"prompt_token_ids": [1], "max_tokens": 2}],
-                                              "b": [{"prompt_token_ids": [3], "max_tokens": 4}] * 2}}))
-    sets = peer_vllm.load_workloads(str(many))
-    assert list(sets) == ["a", "b"] and len(sets["b"]) == 2
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"workloads": {"a": [{"prompt_token_ids": [], "max_tokens": 2}]}}))
-    with pytest.raises(SystemExit, match="needs prompt_token_ids"):
-        peer_vllm.load_workloads(str(bad))
