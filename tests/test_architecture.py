@@ -45,7 +45,9 @@ ALLOWED: dict[str, set[str]] = {
 # Where a test may import a benchmark's own code: the throughput report's arithmetic (the ratios
 # and tables docs/benchmarks.md prints) is the benchmark itself, so it stays in bench/ and is
 # tested there rather than moved into the library to satisfy this rule.
-TESTS_OF_BENCH = {"tests/bench/test_throughput_report.py"}
+# Unit tests of a benchmark's own machinery (its arithmetic, its peer protocol), on fakes: no model,
+# no timing. Every other test runs a benchmark as a user would, through the package command.
+TESTS_OF_BENCH = {"tests/bench/test_throughput_report.py", "tests/bench/test_vllm_session.py"}
 UPPER = {"protocol", "monitor", "widgets", "remote", "sim", "notebook", "bench", "docs", "testing", "gpucheck"}
 # What only the engine (and the core it owns) may touch on an engine object; `live_requests()`
 # hands out live Requests, whose Sequences the stepping thread changes (front ends read

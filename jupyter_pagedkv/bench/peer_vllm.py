@@ -11,9 +11,11 @@ each request yields exactly ``max_tokens`` tokens, the same work our engine is g
 
 ``--serve`` (`bench throughput --shapes`, through vllm_session.py) keeps one start for many request
 sets *interleaved with our engine's runs*: after start-up it reads one JSON command a line from
-stdin, ``{"name": str, "requests": [...]}``, times that set once and answers one line,
-``PEER_RESULT {json}`` (vLLM's own logs share stdout, hence the marker), until stdin closes. Its
-first line is ``PEER_RESULT {"ready": true, "version", "startup_seconds"}``. Why: with our engine's
+stdin, ``{"name": str, "requests": [...]}``, times that set once (``--repeats`` is for the file
+mode) and answers one line, ``PEER_RESULT {json}``, until stdin closes. Its first line is
+``PEER_RESULT {"ready": true, "version", "startup_seconds"}``. Answers go to the process's original
+stdout; everything else printed to stdout (vLLM's logs) is sent to stderr, and a reader still
+skips lines without the marker. Why: with our engine's
 shapes in one block and vLLM's in another minutes later, the host's drift landed in the ratio
 (docs/benchmarks.md, sixth measurement); an idle vLLM waits on its queue (~1% of a core here).
 
@@ -29,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,13 +74,14 @@ def load_requests(path: str) -> list[dict[str, Any]]:
         return _check(json.load(f), path)
 
 
-def _check(reqs: Any, path: str) -> list[dict[str, Any]]:
-    """The request list itself, or SystemExit naming what is wrong with it."""
+def _check(reqs: Any, where: str) -> list[dict[str, Any]]:
+    """The request list itself, or SystemExit naming what is wrong with it (`where`: a file or a
+    --serve set's name)."""
     if not isinstance(reqs, list) or not reqs:
-        raise SystemExit(f"{path}: expected a non-empty JSON list")
+        raise SystemExit(f"{where}: expected a non-empty JSON list")
     for i, r in enumerate(reqs):
-        if not r.get("prompt_token_ids") or int(r.get("max_tokens", 0)) <= 0:
-            raise SystemExit(f"{path}: request {i} needs prompt_token_ids and max_tokens > 0")
+        if not isinstance(r, dict) or not r.get("prompt_token_ids") or int(r.get("max_tokens", 0)) <= 0:
+            raise SystemExit(f"{where}: request {i} needs prompt_token_ids and max_tokens > 0")
     return reqs
 
 
@@ -108,7 +111,8 @@ def timed(llm, reqs: list[dict[str, Any]], repeats: int, params) -> dict[str, An
 RESULT = "PEER_RESULT "
 
 
-def serve(llm, params, lines, write, warm) -> int:
+def serve(llm, params: Callable[[int], Any], lines: Iterable[str], write: Callable[[str], Any],
+          warm: Callable[[list[dict[str, Any]]], Any]) -> int:
     """The --serve loop: each line of `lines` one request set, timed once, answered by `write`
     (one `RESULT` line). `warm(reqs)` runs untimed before the first set. A bad command is answered
     with {"error": ...} and the loop goes on. Returns the sets served."""
@@ -120,7 +124,7 @@ def serve(llm, params, lines, write, warm) -> int:
             cmd = json.loads(line)
             name = str(cmd["name"])
             reqs = _check(cmd["requests"], name)
-        except (ValueError, KeyError, TypeError, SystemExit) as err:
+        except (ValueError, KeyError, TypeError, AttributeError, SystemExit) as err:
             write(RESULT + json.dumps({"error": f"bad command: {err}"}))
             continue
         if not served:
@@ -130,9 +134,20 @@ def serve(llm, params, lines, write, warm) -> int:
     return served
 
 
+def private_stdout() -> Any:
+    """The --serve answers' own stream: the original stdout, duplicated, while fd 1 itself now
+    points at stderr, so vLLM's log lines (and its children's, which inherit fd 1) cannot land
+    inside an answer that spans more than one pipe write."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    return answers
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_env(args.kv_space_gib)
+    answers = private_stdout() if args.serve else None
     reqs = None if args.serve else load_requests(args.requests)
 
     import torch
@@ -160,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         llm.generate(first, [params(8)] * len(first), use_tqdm=False)
 
     if args.serve:
-        print(RESULT + json.dumps({"ready": True, "version": vllm.__version__, "startup_seconds": startup_s,
-                                   "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}),
-              flush=True)
-        serve(llm, params, sys.stdin, lambda line: print(line, flush=True), warm)
+        def write(line: str) -> None:
+            answers.write(line + "\n")
+            answers.flush()
+
+        write(RESULT + json.dumps({"ready": True, "version": vllm.__version__, "startup_seconds": startup_s}))
+        serve(llm, params, sys.stdin, write, warm)
         return 0
     warm(reqs)
 

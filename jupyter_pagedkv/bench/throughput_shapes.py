@@ -23,6 +23,8 @@ import dataclasses
 import gc
 import json
 import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ import torch
 from . import throughput_report as report
 from ..sim.workload import draw_shapes, shape_requests
 from .throughput import DTYPES, PEER_VENV, parse_args, run_ours
+from .vllm_session import VllmSession
 
 LIKE_FOR_LIKE = "like for like (dense weights, KV cache in the model's dtype)"
 
@@ -73,11 +76,11 @@ def run_shapes(args, tokenizer, model_dir: Path, dtypes: list[str], note: str | 
         peer = f"vLLM CPU {versions[dtype]}" if versions[dtype] else "vLLM CPU (not measured)"
         for label, t in by_label.items():
             print(f"\n{dtype}, ours {label} / {peer}; tokens/s of the median round; per-round ratios "
-                  f"pair our round i with vLLM's repeat i")
+                  f"pair our round i with vLLM's round i")
             print("\n".join(report.shapes_table(t["rows"], "vLLM CPU")))
             m = t["minimum"]
             print(f"{dtype}: minimum ours / vLLM CPU over {len(t['rows'])} shapes: "
-                  + (f"{m[0]:.2f}x ({m[1]})" if m else "not measured (no peer venv: `make bench-peers`)"))
+                  + (f"{m[0]:.2f}x ({m[1]})" if m else "not measured (the notes above say why)"))
             if t["agreement"]:
                 print(f"{dtype}: greedy outputs identical to vLLM's, per shape: "
                       + ", ".join(f"{k} {v}" for k, v in t["agreement"].items()))
@@ -111,88 +114,113 @@ def _tokenized(tokenizer, shape) -> tuple[list[list[int]], list[int]]:
     return prompts, [r.max_tokens for r in reqs]
 
 
-def _run_interleaved(dtype, configs, tokenizer, model_dir: Path, work, args, notes: list[str]):
-    """Every shape, `args.rounds` times, on each of our configs and on vLLM back to back.
+def _run_interleaved(dtype: str, configs: list[tuple[str, str, dict]], tokenizer, model_dir: Path,
+                     work: dict[str, tuple[list[list[int]], list[int]]], args, notes: list[str]
+                     ) -> tuple[dict[str, tuple[dict, dict]], dict | None]:
+    """Every shape, `args.rounds` times, on each of our configs and on vLLM back to back, who
+    goes first alternating from shape to shape (and, per shape, from round to round).
 
     Returns ({label: (times {shape: [s per round]}, outputs {shape: last round's})}, peer) where
     peer is {"version", "workloads": {shape: {generated_tokens, round_seconds, outputs}}}, or None
     (no peer venv, `--skip vllm`, or the peer failed: said in `notes`)."""
     from ..worker.loader import load_model
 
-    models = {}
+    runs = _Interleaving(tokenizer, notes)
     for label, weights, options in configs:
         if weights == "packed" and dtype != "float32":
             notes.append(f"{dtype}: no '{label}' table: packed weights compute in fp32")
             continue
-        models[label] = (load_model(None, DTYPES[dtype], torch.device("cpu"), weights=weights).model, options)
-    session = _start_vllm(model_dir, dtype, args.skip, notes)
-    times = {label: {name: [] for name in work} for label in models}
-    outputs: dict[str, dict[str, list[list[int]]]] = {label: {} for label in models}
-    peer_sets = {name: {"generated_tokens": 0, "round_seconds": [], "outputs": []} for name in work}
-    print(f"\n{dtype}: ours ({'; '.join(models)}) and vLLM CPU, shape by shape", flush=True)
+        runs.models[label] = (load_model(None, DTYPES[dtype], torch.device("cpu"), weights=weights).model, options)
+    runs.session = _start_vllm(model_dir, dtype, args.skip, notes)
+    version = runs.session.version if runs.session else None
+    print(f"\n{dtype}: ours ({'; '.join(runs.models)})"
+          + (" and vLLM CPU, shape by shape, who goes first alternating" if runs.session else ", shape by shape"),
+          flush=True)
     try:
         with torch.inference_mode():
             first = next(iter(work.values()))[0]
-            for model, options in models.values():
+            for model, options in runs.models.values():
                 run_ours(model, tokenizer, first[:2], [4, 4], [], **options)     # warm-up, untimed
             for r in range(args.rounds):
                 for i, (name, (prompts, limits)) in enumerate(work.items()):
-                    vllm_first = session is not None and (r + i) % 2 == 1
-                    if vllm_first:
-                        session = _run_vllm_set(session, name, prompts, limits, peer_sets, notes)
-                    for label, (model, options) in models.items():
-                        served: list[float] = []     # the engine's construction left out, as vLLM's start is
-                        outputs[label][name] = run_ours(model, tokenizer, prompts, limits, [], served=served,
-                                                        **options)
-                        times[label][name].append(served[0])
-                    if session is not None and not vllm_first:
-                        session = _run_vllm_set(session, name, prompts, limits, peer_sets, notes)
-                    line = ", ".join(f"ours {times[label][name][-1]:.1f} s" for label in models)
-                    if session is not None:
-                        line += f", vLLM {peer_sets[name]['round_seconds'][-1]:.1f} s"
-                    print(f"  round {r + 1}: {name}: {line}{' (vLLM first)' if vllm_first else ''}", flush=True)
+                    runs.shape_round(r, name, prompts, limits, vllm_first=(r + i) % 2 == 1)
     finally:
-        version = session.version if session is not None else None
-        if session is not None:
-            session.close()
-    del models
+        if runs.session is not None:
+            runs.session.close()
+        else:
+            version = None          # never started, or failed midway: no vLLM figure at all
+    ours = {label: (runs.times[label], runs.outputs[label]) for label in runs.models}
+    runs.models.clear()
     gc.collect()
-    peer = {"version": version, "workloads": peer_sets} if version is not None else None
-    return {label: (times[label], outputs[label]) for label in times}, peer
+    return ours, ({"version": version, "workloads": runs.peer_sets} if version is not None else None)
 
 
-def _start_vllm(model_dir: Path, dtype: str, skip: list[str], notes: list[str]):
+@dataclass
+class _Interleaving:
+    """What `_run_interleaved` accumulates: our models and their times and outputs per shape, the
+    kept vLLM session and its runs."""
+
+    tokenizer: object
+    notes: list[str]
+    models: dict[str, tuple[object, dict]] = field(default_factory=dict)
+    session: VllmSession | None = None
+    times: dict[str, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    outputs: dict[str, dict[str, list[list[int]]]] = field(default_factory=lambda: defaultdict(dict))
+    peer_sets: dict[str, dict] = field(default_factory=dict)
+
+    def shape_round(self, r: int, name: str, prompts: list[list[int]], limits: list[int], vllm_first: bool) -> None:
+        """Round `r` of one shape: every config of ours and vLLM, back to back."""
+        vllm_first = vllm_first and self.session is not None
+        if vllm_first:
+            self._vllm(name, prompts, limits)
+        for label, (model, options) in self.models.items():
+            served: list[float] = []     # the engine's construction left out, as vLLM's start is
+            self.outputs[label][name] = run_ours(model, self.tokenizer, prompts, limits, [], served=served, **options)
+            self.times[label][name].append(served[0])
+        if self.session is not None and not vllm_first:
+            self._vllm(name, prompts, limits)
+        line = ", ".join(f"ours{'' if k == 0 else ' (second table)'} {self.times[label][name][-1]:.1f} s"
+                         for k, label in enumerate(self.models))
+        if self.session is not None:
+            line += f", vLLM {self.peer_sets[name]['round_seconds'][-1]:.1f} s"
+        print(f"  round {r + 1}: {name}: {line}{' (vLLM first)' if vllm_first else ''}", flush=True)
+
+    def _vllm(self, name: str, prompts: list[list[int]], limits: list[int]) -> None:
+        """One timed run of a shape on the kept vLLM. A failure ends the session (`session` None):
+        every vLLM figure of this dtype is then dropped, as a table with some rounds missing
+        would mislead."""
+        from .vllm_session import PeerFailed
+
+        try:
+            res = self.session.run(name, [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, limits)])
+        except PeerFailed as err:
+            print(err, file=sys.stderr)
+            self.notes.append(f"vLLM CPU failed during {name}: no vLLM figures for this dtype")
+            self.session.close()
+            self.session = None
+            return
+        entry = self.peer_sets.setdefault(name, {"generated_tokens": 0, "round_seconds": [], "outputs": []})
+        entry["generated_tokens"], entry["outputs"] = res["generated_tokens"], res["outputs"]
+        entry["round_seconds"].append(res["seconds"])
+
+
+def _start_vllm(model_dir: Path, dtype: str, skip: list[str], notes: list[str]) -> VllmSession | None:
+    """vLLM started for this dtype, or None with the reason in `notes` (every table then shows
+    ours alone)."""
     from . import vllm_session
 
     if "vllm" in skip:
+        notes.append(f"{dtype}: vLLM CPU not measured (--skip vllm)")
         return None
     if not (PEER_VENV / ".ok").exists():
-        notes.append(f"vLLM CPU: not measured (no {PEER_VENV}/.ok: run `make bench-peers` first)")
+        notes.append(f"{dtype}: vLLM CPU not measured (no {PEER_VENV}/.ok: run `make bench-peers` first)")
         return None
     print(f"{dtype}: starting vLLM CPU (once, kept up for every shape)", flush=True)
     session = vllm_session.start(PEER_VENV / "bin" / "python", model_dir, dtype)
     if session is None:
         notes.append(f"{dtype}: vLLM CPU failed to start (its error above): ours alone")
-    return session
-
-
-def _run_vllm_set(session, name, prompts, limits, peer_sets, notes):
-    """One timed run of a shape on the kept vLLM; the session, or None once it has failed (every
-    vLLM figure of this dtype is then dropped: a table with some rounds missing would mislead)."""
-    from .vllm_session import PeerFailed
-
-    try:
-        res = session.run(name, [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, limits)])
-    except PeerFailed as err:
-        print(err, file=sys.stderr)
-        notes.append(f"vLLM CPU failed during {name}: no vLLM figures for this dtype")
-        session.close()
-        for entry in peer_sets.values():
-            entry["round_seconds"].clear()
-        return None
-    entry = peer_sets[name]
-    entry["generated_tokens"], entry["outputs"] = res["generated_tokens"], res["outputs"]
-    entry["round_seconds"].append(res["seconds"])
+    else:
+        print(f"{dtype}: vLLM CPU {session.version} up in {session.startup_seconds:.0f} s", flush=True)
     return session
 
 
@@ -202,7 +230,6 @@ def _table(shapes, work, times_outs, peer: dict | None) -> dict:
     for s in shapes:
         tokens = sum(work[s.name][1])
         p = (peer or {}).get("workloads", {}).get(s.name)
-        p = p if p and p["round_seconds"] else None
         rows.append(report.shape_row(s.name, s.requests, tokens, times[s.name],
                                      p["generated_tokens"] if p else None, p["round_seconds"] if p else []))
         if p:
