@@ -32,7 +32,8 @@ import torch
 from . import throughput_report as report
 from ..sim.workload import draw_shapes, shape_requests
 from .throughput import DTYPES, PEER_VENV, parse_args, run_ours
-from .vllm_session import VllmSession
+from . import vllm_session
+from .vllm_session import PeerFailed, VllmSession
 
 LIKE_FOR_LIKE = "like for like (dense weights, KV cache in the model's dtype)"
 
@@ -132,7 +133,6 @@ def _run_interleaved(dtype: str, configs: list[tuple[str, str, dict]], tokenizer
             continue
         runs.models[label] = (load_model(None, DTYPES[dtype], torch.device("cpu"), weights=weights).model, options)
     runs.session = _start_vllm(model_dir, dtype, args.skip, notes)
-    version = runs.session.version if runs.session else None
     print(f"\n{dtype}: ours ({'; '.join(runs.models)})"
           + (" and vLLM CPU, shape by shape, who goes first alternating" if runs.session else ", shape by shape"),
           flush=True)
@@ -145,10 +145,10 @@ def _run_interleaved(dtype: str, configs: list[tuple[str, str, dict]], tokenizer
                 for i, (name, (prompts, limits)) in enumerate(work.items()):
                     runs.shape_round(r, name, prompts, limits, vllm_first=(r + i) % 2 == 1)
     finally:
+        # No session left (never started, or failed midway): no vLLM figure at all.
+        version = runs.session.version if runs.session is not None else None
         if runs.session is not None:
             runs.session.close()
-        else:
-            version = None          # never started, or failed midway: no vLLM figure at all
     ours = {label: (runs.times[label], runs.outputs[label]) for label in runs.models}
     runs.models.clear()
     gc.collect()
@@ -189,8 +189,6 @@ class _Interleaving:
         """One timed run of a shape on the kept vLLM. A failure ends the session (`session` None):
         every vLLM figure of this dtype is then dropped, as a table with some rounds missing
         would mislead."""
-        from .vllm_session import PeerFailed
-
         try:
             res = self.session.run(name, [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, limits)])
         except PeerFailed as err:
@@ -207,7 +205,6 @@ class _Interleaving:
 def _start_vllm(model_dir: Path, dtype: str, skip: list[str], notes: list[str]) -> VllmSession | None:
     """vLLM started for this dtype, or None with the reason in `notes` (every table then shows
     ours alone)."""
-    from . import vllm_session
 
     if "vllm" in skip:
         notes.append(f"{dtype}: vLLM CPU not measured (--skip vllm)")
