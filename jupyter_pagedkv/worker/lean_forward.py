@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -27,9 +28,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import paged_attention
 from .paged_metadata import PagedMetadata
-from .native_decode import NativeDecode
 from .packed_linear import PackedLinears
 from .quant_linear import QuantLinear
+
+if TYPE_CHECKING:
+    from .native_decode import NativeDecode     # which imports this module's Elementwise
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,17 @@ class LayerAttention:
     softcap: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class Elementwise:
+    """The lean loop's elementwise steps. ATEN (below) is the reference: transformers' own ops,
+    op for op. native_decode.py offers the same steps as C++ loops (fewer passes over a prefill's
+    rows), proven equal to these on the model's weights before the loop uses them."""
+
+    norm: Callable[[nn.Module, torch.Tensor], torch.Tensor]                 # (norm, h) -> normed h
+    rotate: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], torch.Tensor]   # (qkv, heads, cos, sin)
+    gated: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]           # (mlp, gate_up, I) -> act(gate) * up
+
+
 class LeanForward:
     """`lean(input_ids, position_ids, logits_to_keep, paged)` -> logits `[rows, vocab]`, the same
     values as `model(...).logits[0]` for the same step."""
@@ -64,6 +78,7 @@ class LeanForward:
         self.head_dim = self.layers[0].self_attn.head_dim
         self.probe_calls: list[dict] | None = None    # set while proving: the model's own calls
         self.native: NativeDecode | None = None        # decode-only steps in C++, where planned
+        self.elementwise = ATEN                          # the other steps' elementwise ops (C++ where proven)
         # What the model's own forward would honour and this loop would not see: hooks, a forward
         # replaced on an instance after the probe (the packed layers' own is recorded), and a
         # module swapped for another (an adapter injected around a projection, say).
@@ -97,33 +112,32 @@ class LeanForward:
         native = self.native
         if native is not None and native.serves(paged, h.shape[0]):
             out = native.run(h, cos, sin, paged)
-            if not native.proven:     # its first step: the lean loop computes it too, and decides
-                lean = self._layers(h, cos, sin, paged)
+            if not native.proven:     # its first step: the lean loop, on ATen's ops, computes it too, and decides
+                lean = self._layers(h, cos, sin, paged, ATEN)
                 native.prove(out, lean)
                 out = lean
             h = out
         else:
-            h = self._layers(h, cos, sin, paged)
-        h = _rms_norm(base.norm, h)
+            h = self._layers(h, cos, sin, paged, self.elementwise)
+        h = self.elementwise.norm(base.norm, h)
         return self.model.lm_head(h[logits_to_keep])
 
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                paged: PagedMetadata | None) -> torch.Tensor:
-        """Every decoder layer, in Python: the reference the C++ decode loop must equal."""
+                paged: PagedMetadata | None, ops: Elementwise) -> torch.Tensor:
+        """Every decoder layer, in Python: on ATEN, the reference the C++ decode loop must equal."""
         tokens, d = h.shape[0], self.head_dim
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(layer.input_layernorm, h)
+            x = ops.norm(layer.input_layernorm, h)
             qkv = self.packed.fused((attn.q_proj, attn.k_proj, attn.v_proj), x).view(tokens, -1, d)
             heads, kv_heads = attn.q_proj.out_features // d, attn.k_proj.out_features // d
-            qk = _rotate(qkv[:, :heads + kv_heads], cos, sin)
+            qk = ops.rotate(qkv, heads + kv_heads, cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
             o = self._attend(i, attn, q, k, v, paged)
             h = h + attn.o_proj(o.reshape(tokens, -1))
-            x = _rms_norm(layer.post_attention_layernorm, h)
-            gate, up = self.packed.fused((mlp.gate_proj, mlp.up_proj), x).split(
-                (mlp.gate_proj.out_features, mlp.up_proj.out_features), dim=-1)
-            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+            x = ops.norm(layer.post_attention_layernorm, h)
+            gate_up = self.packed.fused((mlp.gate_proj, mlp.up_proj), x)
+            h = h + mlp.down_proj(ops.gated(mlp, gate_up, mlp.gate_proj.out_features))
         return h
 
     def _attend(self, i: int, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -151,6 +165,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     so queries and keys rotated together give the same values as rotated apart)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _gated(mlp: nn.Module, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """The gated MLP's input to down_proj: act(gate) * up, gate and up side by side in `gate_up`."""
+    gate, up = gate_up.split((intermediate, gate_up.shape[-1] - intermediate), dim=-1)
+    return mlp.act_fn(gate) * up
+
+
+ATEN = Elementwise(norm=_rms_norm, rotate=lambda qkv, rotated, cos, sin: _rotate(qkv[:, :rotated], cos, sin),
+                   gated=_gated)
 
 
 def _shape_problem(model) -> str | None:

@@ -4,13 +4,15 @@
 // roundings in the same order, so the results are bit for bit the lean loop's, which are the
 // model's own. Only the Python between the ops is gone, and, for fp32 and bf16 activations, the
 // ATen calls for elementwise steps: a decode token's ~25 small ops a layer cost ~2-4 us each in
-// dispatch and allocation, more than their arithmetic. Those are plain loops here, each rounding exactly where
+// dispatch and allocation, more than their arithmetic. Those are plain loops (row_loops.h), each rounding exactly where
 // the ATen op it replaces rounds (one multiply, add or divide per rounding; -ffp-contract=off, so
-// no fused multiply-add merges two). Reductions and transcendental functions (the norm's mean,
+// no fused multiply-add merges two). The lean loop calls the same loops for a prefill's rows
+// (norm_rows, rotate_rows, gated_rows below). Reductions and transcendental functions (the norm's mean,
 // SiLU's exp) stay ATen's own, whose summation order and approximations a loop would not match.
 // Keep the two in step: the runner proves them equal on its first decode step and keeps the
 // Python loop if they are not.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
@@ -19,6 +21,7 @@
 
 #include "decode_attention.h"
 #include "quant_gemm.h"
+#include "row_loops.h"
 
 namespace {
 
@@ -74,14 +77,17 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
 }
 
-// --- fp32 and bf16 activations: the elementwise steps as loops (see the top of the file) ---
-// T is the activations' type. Each ATen op on bf16 tensors computes in float and rounds its
-// result to bf16 (to nearest even); `round_to<T>` is that rounding (nothing for float), placed
-// wherever the op it replaces returns a T.
-template <typename T>
-inline float widen(T x) { return static_cast<float>(x); }
-template <typename T>
-inline T round_to(float x) { return static_cast<T>(x); }     // c10::BFloat16(float): to nearest even
+// --- fp32 and bf16 activations: the elementwise steps as loops (row_loops.h) ---
+using pkv_rows::vectorized;
+
+// Rows [0, rows) of `width` elements each, split over threads in runs of at least ~32K elements:
+// a decode batch's few rows stay on the calling thread (no fork), a prefill's thousands spread.
+// Each element's arithmetic is the same on any thread, so the split never changes a value.
+template <typename F>
+inline void over_rows(int64_t rows, int64_t width, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, width));
+  at::parallel_for(0, rows, grain, body);
+}
 
 // rms_norm for h [T, hidden]: the mean of squares as ATen's float `x.pow(2).mean(-1)` computes it
 // (pow by 2 is x * x; mean is ATen's sum, then a division by the count), then x * (1 / sqrt(mean +
@@ -96,20 +102,16 @@ at::Tensor rms_norm_loops(const at::Tensor& h, const at::Tensor& weight, double 
   const at::Tensor squares = std::is_same_v<T, float> ? out : at::empty({tokens, n}, h.options().dtype(at::kFloat));
   const T* x = h.data_ptr<T>();
   float* sq = squares.data_ptr<float>();
-  for (int64_t i = 0; i < tokens * n; ++i) sq[i] = widen(x[i]) * widen(x[i]);
+  over_rows(tokens, n, [&](int64_t lo, int64_t hi) {
+    vectorized([&]() PKV_ROWS_LAMBDA { pkv_rows::squares(x, sq, lo * n, hi * n); });
+  });
   const at::Tensor sum = at::sum(squares, -1, true).contiguous();
   T* y = out.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
   const float* m = sum.data_ptr<float>();
-  const float e = static_cast<float>(eps), count = static_cast<float>(n);
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float mean = m[t] / count;
-    const float r = 1.0f / std::sqrt(mean + e);
-    for (int64_t i = 0; i < n; ++i) {
-      const T scaled = round_to<T>(widen(x[t * n + i]) * r);
-      y[t * n + i] = round_to<T>(widen(w[i]) * widen(scaled));
-    }
-  }
+  over_rows(tokens, n, [&](int64_t lo, int64_t hi) {
+    vectorized([&]() PKV_ROWS_LAMBDA { pkv_rows::norm_scale(x, w, m, y, n, static_cast<float>(eps), lo, hi); });
+  });
   return out;
 }
 
@@ -117,25 +119,15 @@ at::Tensor rms_norm_loops(const at::Tensor& h, const at::Tensor& weight, double 
 // d]: x * cos + rot(x) * sin, rot(x) = (-x[half:], x[:half]), three roundings as in `rotate`.
 template <typename T>
 at::Tensor rotate_loops(const at::Tensor& qkv, int64_t rotated, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t tokens = qkv.size(0), all = qkv.size(1), d = qkv.size(2), half = d / 2;
+  const int64_t tokens = qkv.size(0), all = qkv.size(1), d = qkv.size(2);
   auto out = at::empty({tokens, rotated, d}, qkv.options());
   const T* x = qkv.data_ptr<T>();
   const T* c = cos.data_ptr<T>();
   const T* sn = sin.data_ptr<T>();
   T* y = out.data_ptr<T>();
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t hd = 0; hd < rotated; ++hd) {
-      const T* xv = x + (t * all + hd) * d;
-      const T* ct = c + t * d;
-      const T* st = sn + t * d;
-      T* yv = y + (t * rotated + hd) * d;
-      for (int64_t i = 0; i < d; ++i) {
-        const float rot = i < half ? -widen(xv[i + half]) : widen(xv[i - half]);
-        const T a = round_to<T>(widen(xv[i]) * widen(ct[i]));
-        const T b = round_to<T>(rot * widen(st[i]));
-        yv[i] = round_to<T>(widen(a) + widen(b));
-      }
-    }
+  over_rows(tokens, rotated * d, [&](int64_t lo, int64_t hi) {
+    vectorized([&]() PKV_ROWS_LAMBDA { pkv_rows::rotate(x, c, sn, y, all, rotated, d, lo, hi); });
+  });
   return out;
 }
 
@@ -144,19 +136,21 @@ template <typename T>
 void add_into(at::Tensor& h, const at::Tensor& y) {
   T* a = h.data_ptr<T>();
   const T* b = y.data_ptr<T>();
-  for (int64_t i = 0, n = h.numel(); i < n; ++i) a[i] = round_to<T>(widen(a[i]) + widen(b[i]));
+  const int64_t width = h.size(-1);
+  over_rows(h.numel() / width, width, [&](int64_t lo, int64_t hi) {
+    vectorized([&]() PKV_ROWS_LAMBDA { pkv_rows::add(a, b, lo * width, hi * width); });
+  });
 }
 
 // silu(gate) * up for gate_up [T, 2 I]: ATen's SiLU, the product a loop.
 template <typename T>
 at::Tensor gated_loops(const at::Tensor& gate_up, int64_t intermediate) {
   auto act = at::silu(gate_up.slice(-1, 0, intermediate)).contiguous();
-  const int64_t tokens = gate_up.size(0);
   T* a = act.data_ptr<T>();
-  const T* g = gate_up.data_ptr<T>();
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t i = 0; i < intermediate; ++i)
-      a[t * intermediate + i] = round_to<T>(widen(a[t * intermediate + i]) * widen(g[t * 2 * intermediate + intermediate + i]));
+  const T* up = gate_up.data_ptr<T>() + intermediate;
+  over_rows(gate_up.size(0), intermediate, [&](int64_t lo, int64_t hi) {
+    vectorized([&]() PKV_ROWS_LAMBDA { pkv_rows::gate(a, up, intermediate, 2 * intermediate, lo, hi); });
+  });
   return act;
 }
 
@@ -289,11 +283,52 @@ at::Tensor decode_layers(
   return h;
 }
 
+// --- The same elementwise steps, one at a time, for the steps the loop above does not serve ---
+// A prefill's rows run the lean loop in Python (its attention is per chunk), which calls these
+// instead of ATen's chains of ops (the norm alone is eight passes over the rows, each allocating):
+// the loops where the tensors suit them (fp32 or bf16, contiguous, weights and rotary tables of the
+// activations' type), else ATen's ops, with the same values either way (native_decode.py proves
+// the loops against ATen's ops on the model's own weights before the lean loop uses them).
+
+Act loops_for(const at::Tensor& x, bool suited) {
+  const auto type = x.scalar_type();
+  if (!suited || !x.is_contiguous() || (type != at::kFloat && type != at::kBFloat16)) return Act::kAten;
+  return type == at::kFloat ? Act::kFloat : Act::kBF16;
+}
+
+// lean_forward._rms_norm(norm, h) for h [T, hidden].
+at::Tensor norm_rows(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  const bool suited = h.dim() == 2 && weight.scalar_type() == h.scalar_type() && weight.is_contiguous()
+                      && weight.numel() == h.size(1);
+  return norm_step(loops_for(h, suited), h, weight, eps);
+}
+
+// lean_forward._rotate(qkv[:, :rotated], cos, sin) for qkv [T, heads, d], cos/sin [T, 1, d].
+at::Tensor rotate_rows(const at::Tensor& qkv, int64_t rotated, const at::Tensor& cos, const at::Tensor& sin) {
+  const bool suited = qkv.dim() == 3 && rotated <= qkv.size(1) && cos.scalar_type() == qkv.scalar_type()
+                      && sin.scalar_type() == qkv.scalar_type() && cos.is_contiguous() && sin.is_contiguous()
+                      && cos.numel() == qkv.size(0) * qkv.size(2) && sin.numel() == cos.numel();
+  return rotate_step(loops_for(qkv, suited), qkv, rotated, cos, sin);
+}
+
+// silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:], for gate_up [T, 2 intermediate].
+at::Tensor gated_rows(const at::Tensor& gate_up, int64_t intermediate) {
+  const bool suited = gate_up.dim() == 2 && gate_up.size(1) == 2 * intermediate;
+  return gated_step(loops_for(gate_up, suited), gate_up, intermediate);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The step holds no Python object: let other threads (the notebook's widgets, streams, a
   // monitor feed) run while it computes, as they do between the Python loop's ops.
   m.def("decode_layers", &decode_layers, "a decode-only step through Llama-shaped layers",
         py::call_guard<py::gil_scoped_release>());
+  m.def("norm_rows", &norm_rows, "the Llama RMS norm of h [T, hidden]", py::call_guard<py::gil_scoped_release>());
+  m.def("rotate_rows", &rotate_rows, "rotary embedding of the first `rotated` heads of qkv [T, heads, d]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gated_rows", &gated_rows, "silu(gate) * up of gate_up [T, 2 intermediate]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("row_loops_avx2", [](bool allow) { return pkv_rows::allow_avx2.exchange(allow); },
+        "whether the row loops may run their AVX2 build (tests compare it with the baseline one); returns the old setting");
   // k_scale / v_scale: a quantized cache's scales (decode_attention.h), None for the model dtype's.
   m.def("paged_decode_attention", &paged_decode_attention, "decode rows attending over their own blocks in place",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("lens"),

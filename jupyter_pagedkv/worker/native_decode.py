@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .lean_forward import ATEN, Elementwise
 from .paged_metadata import PagedMetadata
 from .native_build import LazyModule, NativeBuildError
 from .native_switch import native_disabled
@@ -122,6 +123,43 @@ class NativeDecode:
             paged.decode_block_tables, paged.seq_lens, self.heads, self.kv_heads, self.head_dim,
             self.intermediate, self.scaling, self.windows, kinds, DENSE_FROM_ROWS,
             kv.k_scale, kv.v_scale)
+
+    def elementwise_ops(self) -> tuple[Elementwise | None, str]:
+        """The C++ loops for the lean loop's elementwise steps (steps this loop does not serve:
+        every prefill), if they give ATen's very values here, else None; and why, in words.
+
+        Why: a prefill's rows pass through ~20 ATen elementwise ops a layer (the RMS norm alone is
+        eight passes, each allocating its result); the loops make one or two passes. Proven here,
+        once per engine, on the model's own norm weights and rotary tables with seeded random rows
+        (300 of them: more than one thread's share), against the reference ops (lean_forward.ATEN)."""
+        m = self.module
+        native = Elementwise(norm=lambda norm, h: m.norm_rows(h, norm.weight, float(norm.variance_epsilon)),
+                             rotate=m.rotate_rows, gated=lambda mlp, gate_up, i: m.gated_rows(gate_up, i))
+        base = self.model.model
+        dtype = base.embed_tokens.weight.dtype
+        generator = torch.Generator().manual_seed(0)
+        tokens, hidden, d = 300, base.norm.weight.numel(), self.head_dim
+        rows = self.heads + 2 * self.kv_heads
+
+        def draw(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=generator) * 3).to(dtype)
+
+        h, qkv, gate_up = draw(tokens, hidden), draw(tokens, rows, d), draw(tokens, 2 * self.intermediate)
+        with torch.inference_mode():
+            cos, sin = base.rotary_emb(h, torch.arange(4000, 4000 + tokens).view(1, -1))
+            cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+            checks = [(native.norm(n, h), ATEN.norm(n, h), "RMS norm")
+                      for l in self.layers for n in (l.norm1, l.norm2)] + [
+                (native.norm(base.norm, h), ATEN.norm(base.norm, h), "final norm"),
+                (native.rotate(qkv, self.heads + self.kv_heads, cos, sin),
+                 ATEN.rotate(qkv, self.heads + self.kv_heads, cos, sin), "rotary embedding"),
+                (native.gated(self.model.model.layers[0].mlp, gate_up, self.intermediate),
+                 ATEN.gated(self.model.model.layers[0].mlp, gate_up, self.intermediate), "gated MLP product")]
+        for got, want, what in checks:
+            if not torch.equal(got, want):
+                logger.warning("the C++ %s differs from ATen's here: prefill rows keep ATen's ops", what)
+                return None, f"the C++ {what} differs from ATen's here"
+        return native, "prefill rows' elementwise steps in C++"
 
     def _weight_args(self) -> tuple[list[list], list[int]]:
         """The norms' and projections' arguments of `decode_layers`, and each projection's kind.

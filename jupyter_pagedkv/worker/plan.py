@@ -276,4 +276,9 @@ def decide_forward(step_loop: str, model, device: torch.device, backend: str, pa
     lean.native = native
     if native is None:
         return Decision("lean", f"{why}; decode steps stay in Python: {problem}"), lean
-    return Decision("native", f"{why}; decode steps in C++, native_decode.py"), lean
+    ops, said = native.elementwise_ops()
+    if ops is not None:
+        lean.elementwise = ops
+    else:
+        said = f"prefill rows keep ATen's elementwise ops: {said}"
+    return Decision("native", f"{why}; decode steps in C++, native_decode.py; {said}"), lean
