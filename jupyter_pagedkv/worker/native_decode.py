@@ -136,17 +136,18 @@ class NativeDecode:
         native = Elementwise(norm=lambda norm, h: m.norm_rows(h, norm.weight, float(norm.variance_epsilon)),
                              rotate=m.rotate_rows, gated=lambda mlp, gate_up, i: m.gated_rows(gate_up, i))
         base = self.model.model
-        dtype = base.embed_tokens.weight.dtype
-        generator = torch.Generator().manual_seed(0)
+        with torch.inference_mode():     # the activations' dtype, as the embedding (dense or GGUF blocks) gives it
+            dtype = base.embed_tokens(torch.zeros(1, 1, dtype=torch.long)).dtype   # host: this loop is CPU-only
+        generator = torch.Generator().manual_seed(0)    # host: seeded rows, on the CPU this loop runs on
         tokens, hidden, d = 300, base.norm.weight.numel(), self.head_dim
         rows = self.heads + 2 * self.kv_heads
 
         def draw(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=generator) * 3).to(dtype)
+            return (torch.randn(*shape, generator=generator) * 3).to(dtype)    # host: as above
 
         h, qkv, gate_up = draw(tokens, hidden), draw(tokens, rows, d), draw(tokens, 2 * self.intermediate)
         with torch.inference_mode():
-            cos, sin = base.rotary_emb(h, torch.arange(4000, 4000 + tokens).view(1, -1))
+            cos, sin = base.rotary_emb(h, torch.arange(4000, 4000 + tokens).view(1, -1))   # host: as above
             cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
             checks = [(native.norm(n, h), ATEN.norm(n, h), "RMS norm")
                       for l in self.layers for n in (l.norm1, l.norm2)] + [
