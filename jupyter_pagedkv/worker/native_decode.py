@@ -139,23 +139,22 @@ class NativeDecode:
         with torch.inference_mode():     # the activations' dtype, as the embedding (dense or GGUF blocks) gives it
             dtype = base.embed_tokens(torch.zeros(1, 1, dtype=torch.long)).dtype   # host: this loop is CPU-only
         generator = torch.Generator().manual_seed(0)    # host: seeded rows, on the CPU this loop runs on
-        tokens, hidden, d = 300, base.norm.weight.numel(), self.head_dim
-        rows = self.heads + 2 * self.kv_heads
+        tokens, rotated, mlp = 300, self.heads + self.kv_heads, base.layers[0].mlp
 
         def draw(*shape: int) -> torch.Tensor:
             return (torch.randn(*shape, generator=generator) * 3).to(dtype)    # host: as above
 
-        h, qkv, gate_up = draw(tokens, hidden), draw(tokens, rows, d), draw(tokens, 2 * self.intermediate)
+        h = draw(tokens, base.norm.weight.numel())
+        qkv, gate_up = draw(tokens, rotated + self.kv_heads, self.head_dim), draw(tokens, 2 * self.intermediate)
         with torch.inference_mode():
             cos, sin = base.rotary_emb(h, torch.arange(4000, 4000 + tokens).view(1, -1))   # host: as above
             cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
             checks = [(native.norm(n, h), ATEN.norm(n, h), "RMS norm")
                       for l in self.layers for n in (l.norm1, l.norm2)] + [
                 (native.norm(base.norm, h), ATEN.norm(base.norm, h), "final norm"),
-                (native.rotate(qkv, self.heads + self.kv_heads, cos, sin),
-                 ATEN.rotate(qkv, self.heads + self.kv_heads, cos, sin), "rotary embedding"),
-                (native.gated(self.model.model.layers[0].mlp, gate_up, self.intermediate),
-                 ATEN.gated(self.model.model.layers[0].mlp, gate_up, self.intermediate), "gated MLP product")]
+                (native.rotate(qkv, rotated, cos, sin), ATEN.rotate(qkv, rotated, cos, sin), "rotary embedding"),
+                (native.gated(mlp, gate_up, self.intermediate), ATEN.gated(mlp, gate_up, self.intermediate),
+                 "gated MLP product")]
         for got, want, what in checks:
             if not torch.equal(got, want):
                 logger.warning("the C++ %s differs from ATen's here: prefill rows keep ATen's ops", what)

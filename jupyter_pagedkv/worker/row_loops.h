@@ -10,10 +10,8 @@
 // c10::BFloat16's own conversion branches on NaN per element), and the AVX2 one runs where the CPU
 // has it. The tests compare both against ATen's ops.
 #pragma once
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
