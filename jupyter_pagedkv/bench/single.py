@@ -163,7 +163,7 @@ def compare_gemms(reps: int = 7) -> None:
     from ..worker.quant_linear import load_extension
     ops = load_extension()
     t = next(t for t in gguf.GGUFReader(str(embedded_gguf())).tensors if t.name == "blk.0.ffn_gate.weight")
-    blocks = torch.from_numpy(np.array(t.data))
+    blocks = ops.quant_interleave(torch.from_numpy(np.array(t.data)), 3)      # the kernels' layout
     w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
     n, k = w.shape
     g = torch.Generator().manual_seed(0)

@@ -20,8 +20,10 @@
 //   avx512vnni: dpbusd on two blocks per 512-bit register
 // Q4 nibbles are unsigned, the activations signed: the u8 x s8 products take them as they are.
 // Q8_0 x Q8 is s8 x s8: |qw| as the unsigned operand, qx with qw's sign applied as the signed one.
-// The 256-bit variants take whole groups of eight output features at a time (quant_dot_eight.h),
-// then the rest one at a time (here); block layouts and shared helpers: quant_dot_blocks.h.
+// The SIMD variants take whole groups of eight output features at a time, as the layout stores
+// them (quant_layout.h, quant_dot_eight.h), then the last n % 8, kept as GGUF rows, one at a time
+// (here); the portable variant reads every block through quant_layout::gguf_block. Shared helpers:
+// quant_dot_blocks.h.
 #include "quant_dot.h"
 #include "quant_dot_blocks.h"
 #include "quant_dot_eight.h"
@@ -76,12 +78,14 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* dx
     }                                                                       \
   }
 
-template <int64_t Kind, int T> inline void tile_generic(const Job& j, const uint8_t* row, int64_t o, int64_t r0) {
+// Every feature one at a time, whether its blocks lie in a group's record or in GGUF's layout.
+template <int64_t Kind, int T> inline void tile_generic(const Job& j, const uint8_t*, int64_t o, int64_t r0) {
   const int64_t nb = j.k / 32;
   int qw[32];
+  uint8_t tmp[block_bytes(kQ8_0)];
   float acc[T] = {}, off[T] = {};
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * block_bytes(Kind);
+    const uint8_t* blk = quant_layout::gguf_block(j.w, j.row_bytes, Kind, j.n, o, b, tmp);
     const uint8_t* qs = blk + quants_at(Kind);
     for (int i = 0; i < 16; ++i) {
       qw[i] = Kind == kQ8_0 ? static_cast<int8_t>(qs[i]) : qs[i] & 0x0F;
@@ -174,9 +178,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) 
     QUANT_DOT_TILES(NAME##_tile, begin + eight_done<Kind>(begin, end))                          \
   }
 
-QUANT_DOT_EIGHT(rows_avx2_eight, "avx2,fma,f16c", dotacc_avx2)
-QUANT_DOT_EIGHT(rows_avxvnni_eight, "avx2,fma,f16c,avxvnni", dotacc_avxvnni)
-QUANT_DOT_EIGHT(rows_avx512vnni_eight, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dotacc_avx512vl)
+QUANT_DOT_EIGHT(rows_avx2_eight, "avx2,fma,f16c", dotacc_avx2, q4sum_avx2)
+QUANT_DOT_EIGHT(rows_avxvnni_eight, "avx2,fma,f16c,avxvnni", dotacc_avxvnni, q4sum_avxvnni)
+QUANT_DOT_EIGHT(rows_avx512vnni_eight, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dotacc_avx512vl, q4sum_avx512vl)
 
 QUANT_DOT_ROWS(rows_avx2, "avx2,fma,f16c", dot_avx2)
 QUANT_DOT_ROWS(rows_avxvnni, "avx2,fma,f16c,avxvnni", dot_avxvnni)

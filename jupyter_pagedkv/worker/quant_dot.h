@@ -17,7 +17,8 @@ std::string best_here();
 
 // out [rows, n] = Q8(x2) @ W^T: each row of x2 [rows, k] quantized to int8 per 32-element block
 // (d = max|x| / 127, q = round(x / d)), then integer dot products with the blocks of W [n, k / 32
-// * block bytes] of GGML type `kind`, one fp32 multiply per block. Refuses a variant this CPU lacks.
+// * block bytes] of GGML type `kind` in the kernels' layout (quant_layout.h), one fp32 multiply
+// per block. Refuses a variant this CPU lacks.
 void linear(const at::Tensor& x2, const at::Tensor& blocks, int64_t kind, at::Tensor& out, const std::string& variant);
 
 }  // namespace quant_dot

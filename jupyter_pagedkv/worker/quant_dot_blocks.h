@@ -1,19 +1,22 @@
-// The GGUF block layouts and the small helpers every quant_dot.cpp variant shares (included only
-// there and by quant_dot_eight.h; numerics in quant_dot.cpp).
+// The block layouts' helpers every quant_dot.cpp variant shares (included only there and by
+// quant_dot_eight.h; the layouts: quant_layout.h; numerics: quant_dot.cpp).
 #pragma once
-#include <c10/util/Half.h>
 #include <immintrin.h>
 
-#include <cstdint>
-#include <cstring>
+#include "quant_layout.h"
 
 namespace quant_dot::detail {
 
-enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };   // GGML's type numbers
+using quant_layout::block_bytes;
+using quant_layout::half_at;
+using quant_layout::kQ4_0;
+using quant_layout::kQ4_1;
+using quant_layout::kQ8_0;
+using quant_layout::quants_at;
 constexpr int kTile = 4;                                    // activation rows sharing one block's quants
 
 // The quantized activations and what each block of them needs: qx [rows, k], dx and dx * sum(qx)
-// [rows, k / 32]; then the weight blocks and the output.
+// [rows, k / 32]; then the weight blocks (interleaved, quant_layout.h) and the output.
 struct Job {
   const int8_t* qx;
   const float* dx;
@@ -22,15 +25,6 @@ struct Job {
   float* out;         // [rows, n]
   int64_t rows, n, k, row_bytes;
 };
-
-constexpr int64_t block_bytes(int64_t kind) { return kind == kQ4_0 ? 18 : kind == kQ4_1 ? 20 : 34; }
-constexpr int64_t quants_at(int64_t kind) { return kind == kQ4_1 ? 4 : 2; }
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
 
 // The offset each weight block adds per unit of activation: Q4_1's m, Q4_0's -8 d, Q8_0 none.
 template <int64_t Kind> inline float offset_of(const uint8_t* blk, float dw) {

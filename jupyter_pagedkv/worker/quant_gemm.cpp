@@ -1,10 +1,7 @@
 // Linear layers computed from GGUF's packed blocks (see quant_linear.py for why and what).
 //
-// Weights stay in the GGUF file's own block layout, one row of blocks per output feature:
-//   Q4_0: 18 bytes per 32 weights: fp16 d, 16 bytes of nibbles;      w = d * (q - 8)
-//   Q4_1: 20 bytes per 32 weights: fp16 d, fp16 m, 16 bytes nibbles;  w = d * q + m
-//   Q8_0: 34 bytes per 32 weights: fp16 d, 32 int8;                   w = d * q
-// In a block, byte j's low nibble is weight j and its high nibble weight j + 16 (ggml's order).
+// Weights are GGUF's blocks, eight output features interleaved (quant_layout.h: the layout, and
+// why); quant_interleave makes it from the file's rows once, at load.
 //
 // Two paths, by the number of activation rows:
 // - Few rows (decode; fewer than `dense_from_rows`): each activation row is quantized to int8 per
@@ -20,6 +17,7 @@
 #include "quant_gemm.h"
 
 #include "quant_dot.h"
+#include "quant_layout.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -30,21 +28,14 @@
 
 namespace {
 
-enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };   // GGML's type numbers
+using quant_layout::half_at;
+using quant_layout::kQ4_0;
+using quant_layout::kQ4_1;
+using quant_layout::kQ8_0;
 
 int64_t block_bytes(int64_t kind) {
-  switch (kind) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "quant_gemm: unknown block kind ", kind);
-  }
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  TORCH_CHECK(quant_layout::known(kind), "quant_gemm: unknown block kind ", kind);
+  return quant_layout::block_bytes(kind);
 }
 
 // One block's 32 weights into w (portable; the reference the AVX2 variant rounds like).
@@ -70,7 +61,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void dequant_block_avx2(int64_t 
 struct Args {
   const float* x;        // [rows, k]
   const float* xsum;     // [rows, k / 32]: each block's activation sum (the AVX2 variant's offset term)
-  const uint8_t* w;      // [n, k / 32 * block_bytes]
+  const uint8_t* w;      // [n, k / 32 * block_bytes], interleaved
   float* out;            // [rows, n]
   int64_t rows, n, k, kind, row_bytes;
 };
@@ -78,15 +69,15 @@ struct Args {
 constexpr int kTile = 4;   // activation rows sharing one dequantized block
 
 void rows_generic(const Args& a, int64_t begin, int64_t end) {
-  const int64_t nb = a.k / 32, bb = block_bytes(a.kind);
+  const int64_t nb = a.k / 32;
   float w[32];
+  uint8_t tmp[34];
   for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* row = a.w + o * a.row_bytes;
     for (int64_t r0 = 0; r0 < a.rows; r0 += kTile) {
       const int64_t t = std::min<int64_t>(kTile, a.rows - r0);
       float acc[kTile] = {0, 0, 0, 0};
       for (int64_t b = 0; b < nb; ++b) {
-        dequant_block(a.kind, row + b * bb, w);
+        dequant_block(a.kind, quant_layout::gguf_block(a.w, a.row_bytes, a.kind, a.n, o, b, tmp), w);
         for (int64_t r = 0; r < t; ++r) {
           const float* x = a.x + (r0 + r) * a.k + b * 32;
           float s = 0;
@@ -127,16 +118,16 @@ __attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
 // is scaled once per block, and the offset term uses the block's activation sum (computed once
 // per call), so a weight costs one multiply-add instead of two.
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Args& a, int64_t begin, int64_t end) {
-  const int64_t nb = a.k / 32, bb = block_bytes(a.kind);
+  const int64_t nb = a.k / 32;
   __m256 q[4];
+  uint8_t tmp[34];
   for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* row = a.w + o * a.row_bytes;
     for (int64_t r0 = 0; r0 < a.rows; r0 += kTile) {
       const int64_t t = std::min<int64_t>(kTile, a.rows - r0);
       __m256 acc[kTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       float offset[kTile] = {0, 0, 0, 0};
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * bb;
+        const uint8_t* blk = quant_layout::gguf_block(a.w, a.row_bytes, a.kind, a.n, o, b, tmp);
         quants_avx2(a.kind, blk, q);
         const float ds = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));
         const __m256 d = _mm256_set1_ps(ds);
@@ -184,13 +175,14 @@ RowsFn pick_f32(const std::string& isa) {
 
 bool is_f32(const std::string& isa) { return isa == "f32-generic" || isa == "f32-avx2"; }
 
-// Rows [begin, end) of the fp32 weight into `out` (row stride k).
-void dequant_rows(const uint8_t* w, int64_t kind, int64_t k, int64_t row_bytes, int64_t begin, int64_t end,
+// Rows [begin, end) of the fp32 weight of `n` features into `out` (row stride k).
+void dequant_rows(const uint8_t* w, int64_t kind, int64_t n, int64_t k, int64_t row_bytes, int64_t begin, int64_t end,
                   float* out, bool avx2) {
-  const int64_t nb = k / 32, bb = block_bytes(kind);
+  const int64_t nb = k / 32;
+  uint8_t tmp[34];
   for (int64_t r = begin; r < end; ++r)
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + r * row_bytes + b * bb;
+      const uint8_t* blk = quant_layout::gguf_block(w, row_bytes, kind, n, r, b, tmp);
       float* o = out + (r - begin) * k + b * 32;
       if (avx2) dequant_block_avx2(kind, blk, o); else dequant_block(kind, blk, o);
     }
@@ -221,7 +213,7 @@ at::Tensor tiled_dense(const at::Tensor& x2, const at::Tensor& blocks, int64_t k
     auto scratch = at::empty({tile, k}, at::kFloat);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t o0 = t * tile, nt = std::min<int64_t>(tile, n - o0);
-      dequant_rows(w, kind, k, rb, o0, o0 + nt, scratch.data_ptr<float>(), avx2);
+      dequant_rows(w, kind, n, k, rb, o0, o0 + nt, scratch.data_ptr<float>(), avx2);
       auto cols = out.narrow(1, o0, nt);            // strided view: BLAS writes it with ldc = n
       at::mm_out(cols, x2, scratch.narrow(0, 0, nt).t());
     }
@@ -247,7 +239,41 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
   float* o = out.data_ptr<float>();
   const bool avx2 = has_avx2();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    dequant_rows(w, kind, k, rb, begin, end, o + begin * k, avx2);
+    dequant_rows(w, kind, n, k, rb, begin, end, o + begin * k, avx2);
+  });
+  return out;
+}
+
+at::Tensor quant_dequantize_rows(const at::Tensor& blocks, int64_t kind, int64_t k, const at::Tensor& ids) {
+  check(blocks, kind, k);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_gemm: ids must be a 1-D int64 tensor");
+  const int64_t n = blocks.size(0), rb = blocks.size(1), count = ids.size(0);
+  auto idx = ids.contiguous();
+  const int64_t* row = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < n, "index ", row[i], " is out of range for ", n, " rows");
+  auto out = at::empty({count, k}, at::kFloat);
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const bool avx2 = has_avx2();
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dequant_rows(w, kind, n, k, rb, row[i], row[i] + 1, o + i * k, avx2);
+  });
+  return out;
+}
+
+at::Tensor quant_interleave(const at::Tensor& gguf_rows, int64_t kind) {
+  TORCH_CHECK(gguf_rows.scalar_type() == at::kByte && gguf_rows.dim() == 2,
+              "quant_gemm: blocks must be a uint8 [out, bytes] tensor");
+  TORCH_CHECK(gguf_rows.size(1) % block_bytes(kind) == 0, "quant_gemm: ", gguf_rows.size(1),
+              " bytes per row are not whole blocks of kind ", kind);
+  auto src = gguf_rows.contiguous();
+  auto out = at::empty_like(src);
+  const int64_t n = src.size(0), rb = src.size(1);
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* d = out.data_ptr<uint8_t>();
+  at::parallel_for(0, (n + 7) / 8, 64, [&](int64_t begin, int64_t end) {
+    quant_layout::interleave_rows(s, d, kind, n, rb, begin * 8, std::min(n, end * 8));
   });
   return out;
 }

@@ -12,4 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_variants", &quant_variants, "the variants quant_linear_isa can run on this CPU");
   m.def("quant_dequantize", &quant_dequantize, "the fp32 weight the GEMM computes with",
         py::call_guard<py::gil_scoped_release>());
+  m.def("quant_dequantize_rows", &quant_dequantize_rows, "rows of that weight (an embedding lookup)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_interleave", &quant_interleave, "the kernels' layout of a GGUF tensor's rows of blocks",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -16,7 +16,9 @@ half its block's step. Prefill keeps fp32 activations: the dequantized model's G
 rounding (quant_gemm.cpp says which path runs when, and why).
 
 Supported block types: Q4_0, Q4_1, Q8_0 (`SUPPORTED`). The weight is a uint8 buffer `blocks`
-[out_features, in_features / 32 * block bytes], not a parameter: nothing trains it.
+[out_features, in_features / 32 * block bytes], not a parameter: nothing trains it. It holds the
+file's blocks with each group of eight output features interleaved (quant_layout.h: the layout and
+why; made once here, at construction), the same bytes in the same eight rows.
 """
 from __future__ import annotations
 
@@ -64,7 +66,9 @@ class QuantLinear(nn.Module):
     for fewer than DENSE_FROM_ROWS rows)."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, *, interleaved: bool = False) -> None:
+        """`blocks`: the file's rows of blocks, or with `interleaved` the kernels' layout already
+        (a tied output layer over its embedding's buffer)."""
         super().__init__()
         self.kind, size = block_kind(type_name)
         self.type_name = type_name
@@ -72,10 +76,10 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{type_name} blocks for {in_features} inputs are [out, {in_features // 32 * size}] "
                              f"uint8, got {tuple(blocks.shape)} {blocks.dtype}")
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.register_buffer("blocks", blocks.contiguous())
+        self._ops = load_extension()
+        self.register_buffer("blocks", blocks.contiguous() if interleaved else self._ops.quant_interleave(blocks, self.kind))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.stack: QuantStack | None = None      # set when stacked with its siblings
-        self._ops = load_extension()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -93,7 +97,9 @@ class QuantLinear(nn.Module):
 
 class QuantStack:
     """Sibling layers reading one input (q/k/v, gate/up) whose blocks lie in one tensor, each
-    layer's buffer a row view of it: one kernel call computes them all, and memory holds them once."""
+    layer's buffer a row view of it: one kernel call computes them all, and memory holds them once.
+    Every member's rows are whole groups of eight (stack_siblings), so the stacked tensor and each
+    view are in the kernels' layout."""
 
     def __init__(self, members: list[QuantLinear]) -> None:
         self.members = tuple(members)
@@ -118,8 +124,9 @@ class QuantStack:
 
 
 def stack_siblings(members: list[nn.Module]) -> QuantStack | None:
-    """Stack layers of one block type and no bias (others are left as they are)."""
-    if (all(isinstance(m, QuantLinear) and m.bias is None for m in members)
+    """Stack layers of one block type, no bias and whole groups of eight features (others are left
+    as they are)."""
+    if (all(isinstance(m, QuantLinear) and m.bias is None and m.out_features % 8 == 0 for m in members)
             and len({(m.kind, m.in_features) for m in members}) == 1):
         return QuantStack(members)
     return None
@@ -133,12 +140,12 @@ class QuantEmbedding(nn.Module):
         self.kind, _ = block_kind(type_name)
         self.type_name = type_name
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
-        self.register_buffer("blocks", blocks.contiguous())
         self._ops = load_extension()
+        self.register_buffer("blocks", self._ops.quant_interleave(blocks, self.kind))   # the kernels' layout
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks.index_select(0, ids.reshape(-1))
-        return self._ops.quant_dequantize(rows, self.kind, self.embedding_dim).view(*ids.shape, self.embedding_dim)
+        rows = self._ops.quant_dequantize_rows(self.blocks, self.kind, self.embedding_dim, ids.reshape(-1).long())
+        return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, blocks={self.type_name}"

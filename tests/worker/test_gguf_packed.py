@@ -36,10 +36,18 @@ NEEDS = {"generic": (), "f32-generic": (), "avx2": ("avx2", "fma", "f16c"), "f32
          "avx512vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
 
 
-def blocks_of(weight: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed bytes, the fp32 weight they stand for) by gguf-py's own quantizer and dequantizer."""
+def gguf_blocks_of(weight: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the file's rows of blocks, the fp32 weight they stand for) by gguf-py's own quantizer and
+    dequantizer."""
     packed = gguf.quants.quantize(weight, qtype)
     return torch.from_numpy(packed.copy()), torch.from_numpy(gguf.quants.dequantize(packed, qtype).astype(np.float32))
+
+
+def blocks_of(weight: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same with the blocks in the kernels' layout (eight features interleaved), as the
+    kernels take them."""
+    rows, plain = gguf_blocks_of(weight, qtype)
+    return load_extension().quant_interleave(rows, SUPPORTED[qtype.name][0]), plain
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +80,48 @@ def test_the_variants_offered_are_the_ones_this_cpu_runs_and_the_rest_refuse():
         for dense_from_rows in (0, 1):          # decode's path and prefill's
             with pytest.raises(RuntimeError, match="cannot run"):
                 load_extension().quant_linear_isa(torch.ones(1, 64), packed, 3, None, dense_from_rows, absent)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_kernels_layout_keeps_every_block_and_row_slices_at_multiples_of_eight_keep_it(qtype):
+    """quant_layout.h: groups of eight features interleaved, the last n % 8 rows as the file has
+    them. Every weight is kept (the dequantized weight, and any rows of it, equal gguf-py's bit for
+    bit); the tail rows are the file's bytes; a row slice over whole groups (a stacked layer's
+    member) is that slice's own layout, so a stack of interleaved members is the stack's."""
+    rng = np.random.default_rng(11)
+    rows, plain = gguf_blocks_of(rng.standard_normal((203, 96)).astype(np.float32), qtype)   # 25 groups + 3
+    kind = SUPPORTED[qtype.name][0]
+    ops = load_extension()
+    packed = ops.quant_interleave(rows, kind)
+    assert packed.shape == rows.shape and not torch.equal(packed[:200], rows[:200])
+    assert torch.equal(packed[200:], rows[200:])
+    assert torch.equal(ops.quant_dequantize(packed, kind, 96), plain)
+    ids = torch.tensor([0, 7, 8, 101, 199, 200, 202, 5, 5])
+    assert torch.equal(ops.quant_dequantize_rows(packed, kind, 96, ids), plain[ids])
+    assert torch.equal(packed[8:40], ops.quant_interleave(rows[8:40], kind))
+    assert torch.equal(torch.cat([ops.quant_interleave(rows[:64], kind), ops.quant_interleave(rows[64:], kind)]), packed)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.quant_dequantize_rows(packed, kind, 96, torch.tensor([203]))
+
+
+def test_an_embedding_looks_up_the_files_rows_and_stacks_take_whole_groups_only():
+    from jupyter_pagedkv.worker.quant_linear import QuantEmbedding, stack_siblings
+    rng = np.random.default_rng(12)
+    rows, plain = gguf_blocks_of(rng.standard_normal((21, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    emb = QuantEmbedding(rows, "Q8_0", 64)
+    ids = torch.tensor([[3, 20], [16, 0]])
+    assert torch.equal(emb(ids), plain[ids])
+    tied = QuantLinear(emb.blocks, "Q8_0", 64, interleaved=True)        # one buffer, one layout
+    assert tied.blocks.data_ptr() == emb.blocks.data_ptr() and torch.equal(tied.dequantized(), plain)
+    def layer(n: int) -> QuantLinear:
+        return QuantLinear(gguf_blocks_of(rng.standard_normal((n, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)[0],
+                           "Q4_1", 64)
+    assert stack_siblings([layer(16), layer(12)]) is None                # 12 rows: not whole groups
+    a, b = layer(16), layer(8)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    alone = torch.cat([a(x), b(x)], -1)
+    stack = stack_siblings([a, b])
+    assert stack is not None and torch.equal(stack(x), alone) and torch.equal(torch.cat([a(x), b(x)], -1), alone)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -137,7 +187,7 @@ def test_prefill_keeps_fp32_activations_and_equals_the_dequantized_weights_gemm(
 
 def test_quant_linear_adds_its_bias_and_keeps_leading_dims():
     rng = np.random.default_rng(1)
-    packed, plain = blocks_of(rng.standard_normal((8, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+    packed, plain = gguf_blocks_of(rng.standard_normal((8, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
     bias = torch.arange(8, dtype=torch.float32)
     layer = QuantLinear(packed, "Q4_1", 64, bias)
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))     # 6 rows: decode's int8 path
