@@ -41,8 +41,11 @@ namespace {
 
 using namespace detail;
 
-// Each row's blocks to int8 (see the numerics above); scalar, so every variant sees the same codes.
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* dx, float* dxsum) {
+// Each row's blocks to int8 (see the numerics above). Every variant sees the same codes: the AVX2
+// build does each element's arithmetic as the portable one does (the same fp32 max, divide,
+// multiply, round to nearest even and clamp; integer sums), eight lanes at a time. Portable, one
+// call of the embedded model's down projection (1536 inputs) took ~5 us, a tenth of the GEMM.
+void quantize_rows_generic(const float* x, int64_t rows, int64_t k, int8_t* q, float* dx, float* dxsum) {
   for (int64_t b = 0; b < rows * (k / 32); ++b) {
     const float* xb = x + b * 32;
     float amax = 0.0f;
@@ -56,6 +59,41 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* dx
     }
     dx[b] = d;
     dxsum[b] = d * static_cast<float>(sum);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, int64_t rows, int64_t k, int8_t* q,
+                                                              float* dx, float* dxsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  for (int64_t b = 0; b < rows * (k / 32); ++b) {
+    const float* xb = x + b * 32;
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xb + 8 * c);
+      m = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), m);   // operands as std::max's: a NaN leaves m
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i codes[4], sum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[c], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      codes[c] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));   // NaN -> -127, as std::max
+      sum = _mm256_add_epi32(sum, codes[c]);
+    }
+    // int32 -> int8 in element order: packs work within 128-bit halves, the permute restores it.
+    const __m256i w16 = _mm256_packs_epi32(codes[0], codes[1]), w16b = _mm256_packs_epi32(codes[2], codes[3]);
+    const __m256i w8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), w8);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    dx[b] = d;
+    dxsum[b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
 }
 
@@ -318,7 +356,8 @@ void linear(const at::Tensor& x2, const at::Tensor& blocks, int64_t kind, at::Te
   qx.resize(rows * k);
   dx.resize(rows * nb);
   dxsum.resize(rows * nb);
-  quantize_rows(x2.data_ptr<float>(), rows, k, qx.data(), dx.data(), dxsum.data());
+  (variant == "generic" ? quantize_rows_generic : quantize_rows_avx2)(x2.data_ptr<float>(), rows, k, qx.data(), dx.data(),
+                                                                      dxsum.data());
   const Job job{qx.data(), dx.data(), dxsum.data(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), rows, n, k,
                 blocks.size(1)};
   run_chunks(fn, job);

@@ -133,6 +133,7 @@ def test_decode_variants_equal_the_int8_activation_reference(qtype, rows, k):
     packed, plain = blocks_of(weight, qtype)
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
     x[0, 32:64] = 0                                                    # a block of zeros: dx = 0
+    x[-1, :32] = torch.tensor([127.0] + [i + 0.5 for i in range(-15, 16)])   # dx = 1: every code a tie
     exact = x.double() @ plain.double().T
     expected = int8_rows(x).double() @ plain.double().T
     ops = load_extension()
