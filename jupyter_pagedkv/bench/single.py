@@ -34,6 +34,9 @@ QUESTIONS = ("Tell me about the moon in one short paragraph.",
 DENSE, PACKED, HF, LLAMA = "ours, dense fp32", "ours, packed GGUF blocks", "transformers generate, fp32", "llama.cpp (same GGUF)"
 
 
+SYSTEM_NAMES = ("dense", "packed", "hf", "llamacpp")     # --systems: what each names is in main()
+
+
 def cpu_line() -> str:
     """The CPU's model name and the ISA features that decide these kernels' speed."""
     name, flags = platform.processor() or "cpu", set()
@@ -231,12 +234,15 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=3, help="rounds (one prompt each, cycled); medians over them")
-    ap.add_argument("--systems", default="dense,packed,hf,llamacpp", help="comma-separated subset")
+    ap.add_argument("--systems", default=",".join(SYSTEM_NAMES), help="comma-separated subset")
     ap.add_argument("--json", type=Path, help="write the rows and medians here")
     ap.add_argument("--gemms", action="store_true", help="only compare the GEMMs packed weights could use")
     ap.add_argument("--token-gemms", action="store_true",
                     help="only time every packed GEMM of one decode token against reading the same bytes")
     args = ap.parse_args(argv)
+    wanted = {name.strip() for name in args.systems.split(",") if name.strip()}
+    if not wanted or wanted - set(SYSTEM_NAMES):
+        ap.error(f"--systems takes a comma-separated subset of {', '.join(SYSTEM_NAMES)}; got {args.systems!r}")
     if args.gemms:
         print(f"bench single --gemms, {date.today()}: {cpu_line()}")
         compare_gemms()
@@ -248,7 +254,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..worker.loader import embedded_gguf
     threads = torch.get_num_threads()
-    wanted = set(args.systems.split(","))
     notes: list[str] = []
     systems: dict[str, object] = {}
     if "dense" in wanted:
