@@ -31,7 +31,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if k_scale is not None:
         k = dequantize(k, k_scale.index_select(0, bt.view(-1)).view(nd, length, kvh).transpose(1, 2), query.dtype)
         v = dequantize(v, v_scale.index_select(0, bt.view(-1)).view(nd, length, kvh).transpose(1, 2), query.dtype)
-    bias = meta.decode_bias if window is None else decode_window_bias(meta, window, query.dtype)
+    bias = meta.decode_masks()[1] if window is None else decode_window_bias(meta, window, query.dtype)
     # GQA folded: the query heads sharing a KV head become that head's query rows, so each
     # KV head is read once and no `enable_gqa` broadcast is needed (same sums, same order).
     q = query.view(nd, kvh, heads // kvh, d)
@@ -41,7 +41,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def decode_window_bias(meta: PagedMetadata, window: int, dtype: torch.dtype) -> torch.Tensor:
     """The decode rows' additive mask when a sliding window cuts: a key is visible if it is in
     the sequence and among its last `window` positions."""
-    nd, length = meta.decode_mask.shape[0], meta.decode_mask.shape[-1]
+    mask = meta.decode_masks()[0]
+    nd, length = mask.shape[0], mask.shape[-1]
     lens = meta.seq_lens[:nd].to(torch.int64).view(nd, 1, 1, 1)
-    visible = meta.decode_mask & (torch.arange(length, device=lens.device).view(1, 1, 1, -1) > lens - 1 - window)
+    visible = mask & (torch.arange(length, device=lens.device).view(1, 1, 1, -1) > lens - 1 - window)
     return additive_mask(visible, dtype)

@@ -10,7 +10,7 @@ import torch
 
 from ..core.scheduler import ScheduledChunk
 from .attention import ATTN_IMPLEMENTATION
-from .paged_metadata import PagedMetadata, PrefillChunk, additive_mask
+from .paged_metadata import PagedMetadata, PrefillChunk
 from .input_staging import InputStaging
 from .kv_cache import KVCache
 from .lean_forward import LeanForward
@@ -159,11 +159,8 @@ class ModelRunner:
         if nd:
             dec_blocks = max(len(t) for t in tables[:nd])
             meta.decode_block_tables = padded[:nd, :dec_blocks].long().to(dev)
-            lens = torch.tensor(step.seq_lens[:nd]).view(nd, 1)                   # host: mask bounds
-            mask = (torch.arange(dec_blocks * bs).view(1, -1) < lens).view(nd, 1, 1, -1)  # host: moved below
-            meta.decode_mask = mask.to(dev)
-            # Built once per step, not per layer: an additive mask in the cache's dtype.
-            meta.decode_bias = additive_mask(mask, self.kv_cache.spec.dtype).to(dev)
+            # The padded decode's masks: built once per step, not per layer, where first asked
+            # for (PagedMetadata.decode_masks).
         return {
             "input_ids": torch.tensor([step.ids], device=dev),
             "position_ids": torch.tensor([step.positions], device=dev),
