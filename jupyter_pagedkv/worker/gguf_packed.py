@@ -98,7 +98,7 @@ def load_packed_model(path: Path, metadata: Path):
         emb = base.embed_tokens
         if not isinstance(emb, QuantEmbedding):
             raise ValueError(f"{path.name}: a tied output layer over an unpacked embedding: use weights='dense'")
-        model.lm_head = QuantLinear(emb.blocks, emb.type_name, emb.embedding_dim, interleaved=True)
+        model.lm_head = QuantLinear(emb.blocks, emb.type_name, emb.embedding_dim, already_interleaved=True)
     del reader, tensors                            # closes the file's memory map
     for layer in base.layers:                      # q/k/v and gate/up: one kernel call each
         attn, mlp = layer.self_attn, layer.mlp

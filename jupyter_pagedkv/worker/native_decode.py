@@ -228,7 +228,7 @@ def _problem(model, packed: PackedLinears, softcaps: list[float | None]) -> str 
                         (mlp.down_proj,)):
             if _projection(packed, linears) is None:
                 return ("its projections are not packed for oneDNN (packing is off, or not in this dtype) "
-                        "nor stacked GGUF blocks")
+                        "nor stacked GGUF blocks (a stack takes layers of whole groups of eight output features)")
     return None
 
 

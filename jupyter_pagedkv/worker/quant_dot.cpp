@@ -1,5 +1,5 @@
 // Decode-sized linear layers from GGUF blocks with integer dot products (the few-rows path of
-// quant_gemm.cpp, whose header comment describes the block layouts; their sizes: quant_dot_blocks.h).
+// quant_gemm.cpp; the blocks' layouts, GGUF's and the kernels', and their sizes: quant_layout.h).
 //
 // Why: one decode row reads each weight once, and converting each weight to fp32 to multiply it with
 // an fp32 activation (4 conversions and an FMA per 8 weights) cost more than reading it. Quantizing
@@ -15,7 +15,8 @@
 //
 // Variants, chosen at run time by the CPU's features (never called where it lacks them; best_here):
 //   generic:    portable C++ integer loops
-//   avx2:       u8 x s8 pairs with maddubs (16-bit, no overflow: 2 * 255 * 127 < 32767), madd to 32-bit
+//   avx2:       u8 x s8 pairs with maddubs (16-bit, no saturation: a pair is at most 2 * 15 * 127
+//               for Q4 nibbles, 2 * 128 * 127 = 32512 for Q8_0's |q|), madd to 32-bit
 //   avxvnni:    dpbusd (u8 x s8 quads summed into 32-bit lanes), 256-bit, VEX encoded
 //   avx512vnni: dpbusd on two blocks per 512-bit register
 // Q4 nibbles are unsigned, the activations signed: the u8 x s8 products take them as they are.
@@ -344,6 +345,20 @@ std::string best_here() {
     return std::string("generic");
   }();
   return best;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x2, const std::string& variant) {
+  TORCH_CHECK(x2.scalar_type() == at::kFloat && x2.dim() == 2 && x2.size(1) % 32 == 0,
+              "quant_dot: rows must be float32 [rows, k], k a multiple of 32");
+  TORCH_CHECK(supports(variant), "quant_dot: this CPU cannot run the ", variant, " variant (it runs: ",
+              c10::Join(", ", variants_here()), ")");
+  auto x = x2.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1);
+  auto q = at::empty({rows, k}, at::kChar);
+  auto dx = at::empty({rows, k / 32}, at::kFloat), dxsum = at::empty({rows, k / 32}, at::kFloat);
+  (variant == "generic" ? quantize_rows_generic : quantize_rows_avx2)(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(),
+                                                                      dx.data_ptr<float>(), dxsum.data_ptr<float>());
+  return {q, dx, dxsum};
 }
 
 void linear(const at::Tensor& x2, const at::Tensor& blocks, int64_t kind, at::Tensor& out, const std::string& variant) {

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace quant_dot {
@@ -20,5 +21,9 @@ std::string best_here();
 // * block bytes] of GGML type `kind` in the kernels' layout (quant_layout.h), one fp32 multiply
 // per block. Refuses a variant this CPU lacks.
 void linear(const at::Tensor& x2, const at::Tensor& blocks, int64_t kind, at::Tensor& out, const std::string& variant);
+
+// (qx int8 [rows, k], dx, dx * sum(qx) [rows, k / 32]): x2's rows quantized as `variant` quantizes
+// them inside `linear` (tests: every variant must give the portable loop's codes).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x2, const std::string& variant);
 
 }  // namespace quant_dot

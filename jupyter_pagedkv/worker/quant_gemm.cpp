@@ -246,7 +246,8 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
 
 at::Tensor quant_dequantize_rows(const at::Tensor& blocks, int64_t kind, int64_t k, const at::Tensor& ids) {
   check(blocks, kind, k);
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_gemm: ids must be a 1-D int64 tensor");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.device().is_cpu(),
+              "quant_gemm: ids must be a 1-D int64 CPU tensor");
   const int64_t n = blocks.size(0), rb = blocks.size(1), count = ids.size(0);
   auto idx = ids.contiguous();
   const int64_t* row = idx.data_ptr<int64_t>();

@@ -2,6 +2,7 @@
 // the same quant_gemm.cpp into the C++ decode loop.
 #include <torch/extension.h>
 
+#include "quant_dot.h"
 #include "quant_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -13,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "the fp32 weight the GEMM computes with",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_dequantize_rows", &quant_dequantize_rows, "rows of that weight (an embedding lookup)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_quantize_rows", &quant_dot::quantize, "activation rows as an int8 variant quantizes them (tests)",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_interleave", &quant_interleave, "the kernels' layout of a GGUF tensor's rows of blocks",
         py::call_guard<py::gil_scoped_release>());

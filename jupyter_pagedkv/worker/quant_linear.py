@@ -66,9 +66,10 @@ class QuantLinear(nn.Module):
     for fewer than DENSE_FROM_ROWS rows)."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int,
-                 bias: torch.Tensor | None = None, *, interleaved: bool = False) -> None:
-        """`blocks`: the file's rows of blocks, or with `interleaved` the kernels' layout already
-        (a tied output layer over its embedding's buffer)."""
+                 bias: torch.Tensor | None = None, *, already_interleaved: bool = False) -> None:
+        """`blocks`: the file's rows of blocks, rearranged here into the kernels' layout; with
+        `already_interleaved`, blocks in that layout already, taken as they are (a tied output
+        layer over its embedding's buffer)."""
         super().__init__()
         self.kind, size = block_kind(type_name)
         self.type_name = type_name
@@ -77,7 +78,8 @@ class QuantLinear(nn.Module):
                              f"uint8, got {tuple(blocks.shape)} {blocks.dtype}")
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self._ops = load_extension()
-        self.register_buffer("blocks", blocks.contiguous() if interleaved else self._ops.quant_interleave(blocks, self.kind))
+        self.register_buffer("blocks", blocks.contiguous() if already_interleaved
+                             else self._ops.quant_interleave(blocks, self.kind))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.stack: QuantStack | None = None      # set when stacked with its siblings
 
@@ -102,6 +104,11 @@ class QuantStack:
     view are in the kernels' layout."""
 
     def __init__(self, members: list[QuantLinear]) -> None:
+        if any(m.out_features % 8 for m in members):
+            # A member's last out % 8 rows are GGUF's layout: in the middle of a stack the kernels
+            # would read them as a group of eight, and compute garbage without an error.
+            raise ValueError(f"a stack takes layers of whole groups of eight output features, got "
+                             f"{[m.out_features for m in members]}: use stack_siblings, which leaves others unstacked")
         self.members = tuple(members)
         self.blocks = torch.cat([m.blocks for m in members])
         self.kind = members[0].kind
@@ -144,6 +151,9 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("blocks", self._ops.quant_interleave(blocks, self.kind))   # the kernels' layout
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int32, torch.int64) or ids.device.type != "cpu":
+            raise RuntimeError(f"this embedding's rows are packed {self.type_name} blocks looked up on the CPU by "
+                               f"int64 or int32 ids; it got {ids.dtype} ids on {ids.device}")
         rows = self._ops.quant_dequantize_rows(self.blocks, self.kind, self.embedding_dim, ids.reshape(-1).long())
         return rows.view(*ids.shape, self.embedding_dim)
 

@@ -105,18 +105,22 @@ def test_the_kernels_layout_keeps_every_block_and_row_slices_at_multiples_of_eig
 
 
 def test_an_embedding_looks_up_the_files_rows_and_stacks_take_whole_groups_only():
-    from jupyter_pagedkv.worker.quant_linear import QuantEmbedding, stack_siblings
+    from jupyter_pagedkv.worker.quant_linear import QuantEmbedding, QuantStack, stack_siblings
     rng = np.random.default_rng(12)
     rows, plain = gguf_blocks_of(rng.standard_normal((21, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
     emb = QuantEmbedding(rows, "Q8_0", 64)
     ids = torch.tensor([[3, 20], [16, 0]])
     assert torch.equal(emb(ids), plain[ids])
-    tied = QuantLinear(emb.blocks, "Q8_0", 64, interleaved=True)        # one buffer, one layout
+    tied = QuantLinear(emb.blocks, "Q8_0", 64, already_interleaved=True)   # one buffer, one layout
     assert tied.blocks.data_ptr() == emb.blocks.data_ptr() and torch.equal(tied.dequantized(), plain)
     def layer(n: int) -> QuantLinear:
         return QuantLinear(gguf_blocks_of(rng.standard_normal((n, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)[0],
                            "Q4_1", 64)
     assert stack_siblings([layer(16), layer(12)]) is None                # 12 rows: not whole groups
+    with pytest.raises(ValueError, match="whole groups of eight output features, got \\[16, 12\\]"):
+        QuantStack([layer(16), layer(12)])
+    with pytest.raises(RuntimeError, match="looked up on the CPU by int64 or int32 ids; it got torch.float32"):
+        emb(torch.tensor([1.0]))
     a, b = layer(16), layer(8)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
     alone = torch.cat([a(x), b(x)], -1)
@@ -148,6 +152,26 @@ def test_decode_variants_equal_the_int8_activation_reference(qtype, rows, k):
         assert ((got - exact).abs() <= rounding_bound(x, plain) + 1e-4).all(), isa
     auto = ops.quant_linear(x, packed, kind, None, 0)
     torch.testing.assert_close(auto.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_every_variant_quantizes_activations_to_the_portable_loops_codes():
+    """The codes, scales and sums each int8 variant multiplies with are the portable loop's, bit for
+    bit: random rows, a block of exact ties, zeros, and blocks holding NaN, infinities, subnormals
+    and the float range's ends."""
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy((rng.standard_normal((5, 256)) * 10.0 ** rng.integers(-3, 4, (5, 1))).astype(np.float32))
+    x[0, :32] = torch.tensor([127.0] + [i + 0.5 for i in range(-15, 16)])
+    x[1, 32:64] = 0
+    x[2, 64:96] = float("nan")
+    x[2, 96:100] = torch.tensor([float("inf"), float("-inf"), 1e-40, -3.4e38])
+    x[3, 128:130] = float("nan")
+    ops = load_extension()
+    want = ops.quant_quantize_rows(x, "generic")
+    for isa in [v for v in variants() if v not in F32_VARIANTS]:
+        got = ops.quant_quantize_rows(x, isa)
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
+                               b.view(torch.int32) if b.is_floating_point() else b), isa
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
