@@ -67,7 +67,6 @@ class PagedMetadata:
     prefill_kernel: object | None = None
     decode_kernel: Callable | None = None
 
-
     def decode_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode rows' visibility mask over their padded keys (`decode_block_tables` wide) and
         its additive bias, built on first use: only SDPA's padded decode reads them; the C++

@@ -98,6 +98,13 @@ __attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, int6
   }
 }
 
+using QuantizeFn = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*);
+
+// The quantizer a variant runs: every variant but the portable one is built on AVX2.
+QuantizeFn quantizer(const std::string& variant) {
+  return variant == "generic" ? &quantize_rows_generic : &quantize_rows_avx2;
+}
+
 // The tile heights a call's rows split into: whole tiles of kTile, then one of rows % kTile. Each
 // height is its own instantiation, so a tile's accumulators are registers: with the height known
 // only at run time they lived on the stack, and every block's FMA waited on a store and a reload
@@ -121,7 +128,7 @@ __attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, int6
 template <int64_t Kind, int T> inline void tile_generic(const Job& j, const uint8_t*, int64_t o, int64_t r0) {
   const int64_t nb = j.k / 32;
   int qw[32];
-  uint8_t tmp[block_bytes(kQ8_0)];
+  uint8_t tmp[quant_layout::kLargestBlock];
   float acc[T] = {}, off[T] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = quant_layout::gguf_block(j.w, j.row_bytes, Kind, j.n, o, b, tmp);
@@ -356,8 +363,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x2, co
   const int64_t rows = x.size(0), k = x.size(1);
   auto q = at::empty({rows, k}, at::kChar);
   auto dx = at::empty({rows, k / 32}, at::kFloat), dxsum = at::empty({rows, k / 32}, at::kFloat);
-  (variant == "generic" ? quantize_rows_generic : quantize_rows_avx2)(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(),
-                                                                      dx.data_ptr<float>(), dxsum.data_ptr<float>());
+  quantizer(variant)(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), dx.data_ptr<float>(), dxsum.data_ptr<float>());
   return {q, dx, dxsum};
 }
 
@@ -371,8 +377,7 @@ void linear(const at::Tensor& x2, const at::Tensor& blocks, int64_t kind, at::Te
   qx.resize(rows * k);
   dx.resize(rows * nb);
   dxsum.resize(rows * nb);
-  (variant == "generic" ? quantize_rows_generic : quantize_rows_avx2)(x2.data_ptr<float>(), rows, k, qx.data(), dx.data(),
-                                                                      dxsum.data());
+  quantizer(variant)(x2.data_ptr<float>(), rows, k, qx.data(), dx.data(), dxsum.data());
   const Job job{qx.data(), dx.data(), dxsum.data(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), rows, n, k,
                 blocks.size(1)};
   run_chunks(fn, job);

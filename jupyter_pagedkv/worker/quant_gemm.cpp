@@ -71,7 +71,7 @@ constexpr int kTile = 4;   // activation rows sharing one dequantized block
 void rows_generic(const Args& a, int64_t begin, int64_t end) {
   const int64_t nb = a.k / 32;
   float w[32];
-  uint8_t tmp[34];
+  uint8_t tmp[quant_layout::kLargestBlock];
   for (int64_t o = begin; o < end; ++o) {
     for (int64_t r0 = 0; r0 < a.rows; r0 += kTile) {
       const int64_t t = std::min<int64_t>(kTile, a.rows - r0);
@@ -120,7 +120,7 @@ __attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Args& a, int64_t begin, int64_t end) {
   const int64_t nb = a.k / 32;
   __m256 q[4];
-  uint8_t tmp[34];
+  uint8_t tmp[quant_layout::kLargestBlock];
   for (int64_t o = begin; o < end; ++o) {
     for (int64_t r0 = 0; r0 < a.rows; r0 += kTile) {
       const int64_t t = std::min<int64_t>(kTile, a.rows - r0);
@@ -179,7 +179,7 @@ bool is_f32(const std::string& isa) { return isa == "f32-generic" || isa == "f32
 void dequant_rows(const uint8_t* w, int64_t kind, int64_t n, int64_t k, int64_t row_bytes, int64_t begin, int64_t end,
                   float* out, bool avx2) {
   const int64_t nb = k / 32;
-  uint8_t tmp[34];
+  uint8_t tmp[quant_layout::kLargestBlock];
   for (int64_t r = begin; r < end; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = quant_layout::gguf_block(w, row_bytes, kind, n, r, b, tmp);

@@ -35,6 +35,7 @@ enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };   // GGML's type number
 
 constexpr bool known(int64_t kind) { return kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0; }
 constexpr int64_t block_bytes(int64_t kind) { return kind == kQ4_0 ? 18 : kind == kQ4_1 ? 20 : 34; }
+constexpr int64_t kLargestBlock = 34;   // Q8_0's: room for any one block gathered (gguf_block)
 // Where a GGUF block's quants start, and a group record's.
 constexpr int64_t quants_at(int64_t kind) { return kind == kQ4_1 ? 4 : 2; }
 constexpr int64_t group_quants_at(int64_t kind) { return kind == kQ4_1 ? 32 : 16; }

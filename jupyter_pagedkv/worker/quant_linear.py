@@ -104,7 +104,7 @@ class QuantStack:
     view are in the kernels' layout."""
 
     def __init__(self, members: list[QuantLinear]) -> None:
-        if any(m.out_features % 8 for m in members):
+        if not whole_groups(members):
             # A member's last out % 8 rows are GGUF's layout: in the middle of a stack the kernels
             # would read them as a group of eight, and compute garbage without an error.
             raise ValueError(f"a stack takes layers of whole groups of eight output features, got "
@@ -130,10 +130,15 @@ class QuantStack:
         return self.members[0]._ops.quant_linear(x, self.blocks, self.kind, None, DENSE_FROM_ROWS)
 
 
+def whole_groups(members: list[QuantLinear]) -> bool:
+    """Every layer's rows whole groups of eight features (quant_layout.h), as a stack needs."""
+    return all(m.out_features % 8 == 0 for m in members)
+
+
 def stack_siblings(members: list[nn.Module]) -> QuantStack | None:
     """Stack layers of one block type, no bias and whole groups of eight features (others are left
     as they are)."""
-    if (all(isinstance(m, QuantLinear) and m.bias is None and m.out_features % 8 == 0 for m in members)
+    if (all(isinstance(m, QuantLinear) and m.bias is None for m in members) and whole_groups(members)
             and len({(m.kind, m.in_features) for m in members}) == 1):
         return QuantStack(members)
     return None
