@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
 from jupyter_pagedkv import SamplingParams, StructuredOutputsParams  # noqa: E402
+from jupyter_pagedkv.decoding.drafters import Proposal  # noqa: E402
 
 
 
@@ -239,17 +240,49 @@ def test_n_samples_fork_the_grammar_state_and_all_are_valid(make_engine, tokeniz
     distinct_outputs(by_kind)
 
 
-def test_speculation_rolls_the_grammar_back_and_greedy_output_is_unchanged(make_engine, embedded_pair):
-    # The real tokenizer: its greedy answers reuse the prompt's n-grams, so drafts are kept and
-    # rejected (on the trained one, none is kept).
+class ScriptedDrafter:
+    """Drafts each request's own greedy answer, taken from the run without speculation, with the
+    last token of every other proposal changed: drafts are kept and rejected by construction on
+    any CPU, where a random model's n-gram repeats (what the n-gram drafter needs) are not."""
+
+    name = "scripted"
+    needs_slots = False
+
+    def __init__(self, answers: list[list[int]], vocab_size: int) -> None:
+        self.answers, self.vocab_size, self.calls = answers, vocab_size, 0
+
+    def propose(self, seqs, ks, copies=()):
+        proposals = []
+        for seq, k in zip(seqs, ks):
+            done = seq.output_token_ids
+            answer = next((a for a in self.answers if a[:len(done)] == done), [])
+            draft = list(answer[len(done):len(done) + k])
+            self.calls += 1
+            if draft and self.calls % 2 == 0:
+                draft[-1] = (draft[-1] + 1) % self.vocab_size
+            proposals.append(Proposal(draft))
+        return proposals
+
+    def rolled_back(self, seq, num_computed):
+        pass
+
+
+@pytest.mark.parametrize("drafter", ["scripted", "ngram"])
+def test_speculation_rolls_the_grammar_back_and_greedy_output_is_unchanged(make_engine, embedded_pair, drafter):
+    # The real tokenizer and vocabulary. The scripted drafter makes sure drafts are both kept and
+    # rejected (so the grammar is rolled back); the n-gram one proposes what this model happens to
+    # repeat, which depends on the CPU's rounding, so only the outputs are checked for it.
     model, tokenizer = embedded_pair
     params = [SamplingParams(max_tokens=MAX_TOKENS[k], temperature=0.0, structured_outputs=s) for k, s in SPECS.items()]
     plain = make_engine(model, tokenizer).generate([PROMPT] * 4, params)
-    engine = make_engine(model, tokenizer, speculative="ngram")
+    answers = [o.outputs[0].token_ids for o in plain]
+    speculative = ScriptedDrafter(answers, model.config.vocab_size) if drafter == "scripted" else "ngram"
+    engine = make_engine(model, tokenizer, speculative=speculative)
     spec = engine.generate([PROMPT] * 4, params)
     stats = engine._speculator.stats
-    assert stats.num_proposed > stats.num_accepted > 0, "no draft was both kept and rejected: nothing tested"
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    if drafter == "scripted":
+        assert stats.num_proposed > stats.num_accepted > 0, "no draft was both kept and rejected: nothing tested"
+    assert [o.outputs[0].token_ids for o in spec] == answers
     assert_all_valid({k: o.outputs for k, o in zip(SPECS, spec)})
 
 
