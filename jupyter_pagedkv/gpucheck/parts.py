@@ -170,9 +170,13 @@ def kernel_bench(report: Report, smoke: bool) -> None:
                 report.line(" / ".join(result["header"]))
                 report.line(f"shape {result['shape']}")
                 report.line("")
+                report.line("times: CUDA-graph replays (the device's time); eager launch: one paged call "
+                            "launched from Python, as an eager step pays it" if result["device"] == "cuda"
+                            else "times: wall clock, Triton's interpreter (meaningless for speed)")
+                report.line("")
                 report.line("| batch | context | splits | paged ms | paged GB/s | of copy | SDPA ms | paged / SDPA "
-                            "| max diff |")
-                report.line("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                            "| max diff | eager launch ms |")
+                report.line("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for r in result["rows"]:
                 r = {**r, "copy_bandwidth_gbs": result["copy_bandwidth_gbs"]}
                 rows.append(r)
@@ -195,11 +199,12 @@ def kernel_bench(report: Report, smoke: bool) -> None:
 
 def _bench_line(r: dict) -> str:
     if "skipped" in r:
-        return f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | | | |"
+        return f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | | | | |"
     sdpa = (f"{r['sdpa_ms']:.4f} | {r['paged_over_sdpa']:.2f} | {r['max_diff']:.1e}" if "sdpa_ms" in r
             else "out of memory | | ")
+    launch = f"{r['launch_ms']:.4f}" if "launch_ms" in r else r.get("timing", "-")
     return (f"| {r['batch']} | {r['context']} | {r['splits']} | {r['paged_ms']:.4f} | {r['paged_gbs']:.1f} | "
-            f"{r['of_copy']:.1%} | {sdpa} |")
+            f"{r['of_copy']:.1%} | {sdpa} | {launch} |")
 
 
 # -- e2e --------------------------------------------------------------------------------------

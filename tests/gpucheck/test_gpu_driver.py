@@ -72,9 +72,14 @@ def test_a_half_written_line_is_skipped_and_the_next_part_stays_whole(tmp_path):
 
 
 def test_the_plan_fits_each_mode_budget_with_the_driver_margin():
-    for full, budget in ((False, gpu.QUICK_BUDGET_S), (True, gpu.FULL_BUDGET_S)):
-        parts = gpu.select(gpu.PARTS, full, None)
+    for mode, budget in gpu.BUDGETS.items():
+        parts = gpu.select(gpu.PARTS, mode, None)
         assert sum(p.slice_s for p in parts) <= budget - gpu.DRIVER_MARGIN_S
-    quick = [p.name for p in gpu.select(gpu.PARTS, False, None)]
+    # On a 15-minute lease each of --quick and --rest is one call of the device tool (10 minutes
+    # at most), with the machine's start and the quick call's time before the second.
+    assert gpu.QUICK_BUDGET_S + gpu.REST_BUDGET_S <= 15 * 60 - 60 and gpu.REST_BUDGET_S <= 600 - 30
+    quick = [p.name for p in gpu.select(gpu.PARTS, "quick", None)]
+    rest = [p.name for p in gpu.select(gpu.PARTS, "rest", None)]
     assert quick == ["env", "compile", "kernel_tests", "exactness", "e2e"]
-    assert [p.name for p in gpu.select(gpu.PARTS, True, None)][:len(quick)] == quick
+    assert [p.name for p in gpu.select(gpu.PARTS, "full", None)] == quick + rest
+    assert rest == ["kernel_bench", "graphs", "throughput_small", "throughput_large", "architectures"]
