@@ -125,7 +125,7 @@ class Engine(GenerationFront):
             dtype_reason)
         if config.speculative is not None:
             self._speculator.default = self.add_drafter(config.speculative)
-        self._loop = StepLoop(self.step, self._scheduler.has_work, self._work, self._stepping.loop_died)
+        self._loop = StepLoop(self._advance, self._scheduler.has_work, self._work, self._stepping.loop_died)
         if self.device.type == "cuda" and plan.backend.choice == "triton":
             self.warm_up()      # every kernel compiled, every graph captured and verified, before a request
 
@@ -322,6 +322,11 @@ class Engine(GenerationFront):
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; the outputs of requests that advanced (Stepping)."""
         return self._stepping.step()
+
+    def _advance(self) -> None:
+        """A step whose outputs nobody reads (`generate`, `stream`, the background loop): no
+        RequestOutput is built, so no request's whole text is detokenised every step."""
+        self._stepping.step(collect=False)
 
     trace = property(lambda self: self._stepping.trace, lambda self, v: setattr(self._stepping, "trace", v),
                      doc="None, or a list that records every step's schedule (StepRecord)")

@@ -3,7 +3,8 @@ the local engine and the server client so both behave the same to a caller.
 
 A host provides `add_request(prompt, params, request_id=None, priority=0, listener=None, tenant=None)`,
 `abort(request_id)`, `is_running` (a loop steps it in the background), `step()` (called by the
-caller's thread otherwise), `_handle(request_id)` (an object with a `done` Event and an `error`),
+caller's thread otherwise, through `_advance()`, which a host may make cheaper by not building the
+step's outputs), `_handle(request_id)` (an object with a `done` Event and an `error`),
 `_result(handle)` (its RequestOutput) and `apply_chat_template(messages)`.
 """
 from __future__ import annotations
@@ -66,6 +67,11 @@ def param_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> l
 class GenerationFront:
     """The high-level calls; see the module docstring for what a host must provide."""
 
+    def _advance(self) -> None:
+        """One step for a caller that reads results from the handles and listeners, not from the
+        step's outputs."""
+        self.step()
+
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, tenant: str | None = None,
                  priority: int | Seq[int] = 0) -> list[RequestOutput]:
@@ -99,7 +105,7 @@ class GenerationFront:
             while True:
                 if not self.is_running:
                     while listener.empty() and not handle.done.is_set():
-                        self.step()
+                        self._advance()
                     if listener.empty() and handle.done.is_set():
                         if handle.error is not None:
                             raise handle.error
@@ -141,7 +147,7 @@ class GenerationFront:
                 if self.is_running:
                     pending[0].done.wait(timeout=0.1)
                 else:
-                    self.step()
+                    self._advance()
                 left = [h for h in pending if not h.done.is_set()]
                 if bar is not None and len(left) < len(pending):
                     bar.update(len(pending) - len(left))

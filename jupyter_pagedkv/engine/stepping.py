@@ -59,8 +59,10 @@ class Stepping:
     step_timings: list[StepTiming] | None = None     # [] times every step's phases
     recorder: Any = None     # a Recording (engine/recording.py): told of each arrival and end, nothing else
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return outputs of requests that advanced.
+    def step(self, collect: bool = True) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs of requests that advanced
+        (none unless `collect`: building one detokenises the request's whole output, which a caller
+        waiting on handles and listeners never reads).
 
         A failure ends only the requests it touched (finish reason "error", or "abort" for Ctrl-C,
         the exception attached and logged once with the request id) and returns their blocks: a
@@ -80,12 +82,12 @@ class Stepping:
                     raise RuntimeError("the scheduler could not run any request: the pool is too small")
                 return []
             try:
-                return self._step(sched, t0)
+                return self._step(sched, t0, collect)
             except BaseException as err:
                 self._fail(self._touched_by(sched), err)
                 raise
 
-    def _step(self, sched: SchedulerOutput, t0: float) -> list[RequestOutput]:
+    def _step(self, sched: SchedulerOutput, t0: float, collect: bool = True) -> list[RequestOutput]:
         self.runner.clock.enabled = self.step_timings is not None
         drafts = self.speculator.propose(sched)
         record = None   # taken once the drafts widened their chunks, so a replay sees what ran
@@ -126,7 +128,8 @@ class Stepping:
                     self._finish_request(req, now)
                 else:
                     self._guard(req, self.outputs.publish, req)
-            outputs.append(self._output_of(req))
+            if collect:
+                outputs.append(self._output_of(req))
         by_tenant: dict[str | None, int] = {}
         for req in touched.values():
             new = req.metrics.num_generated_tokens - req.tokens_counted
