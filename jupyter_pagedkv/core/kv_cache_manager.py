@@ -210,6 +210,9 @@ class KVCacheManager(ABC):
             assert table.owner == seq.tenant, f"{seq.request_id}: table owned by {table.owner!r}, not {seq.tenant!r}"
             expected.update(b.block_id for b in table.blocks)
             owners.setdefault(seq.tenant, Counter()).update(b.block_id for b in table.blocks)
+            assert table.ids().tolist() == table.block_ids, (
+                f"{seq.request_id}: its table's id array {table.ids().tolist()} is not its blocks "
+                f"{table.block_ids} (invariant 5)")
             self._check_table(seq)
             slots = seq.swapped_num_slots if seq.status is SequenceStatus.SWAPPED else table.num_slots
             assert seq.num_computed_tokens <= slots, f"{seq.request_id}: computed tokens without slots"

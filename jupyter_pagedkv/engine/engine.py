@@ -7,6 +7,7 @@ tokens into text and deltas is the `OutputProcessor`; `generate` / `chat` / `str
 """
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -74,8 +75,7 @@ class Engine(GenerationFront):
         seen = check_servable(model, self.name)
         spec = KVSpec(text.num_hidden_layers, seen.num_kv_heads, seen.head_dim, self.dtype, config.kv_cache_dtype)
         num_blocks = setup.num_blocks(config, spec, self.device)
-        paged = config.allocator == "paged"
-        # The contiguous baseline shares nothing, so it caches no prefix either.
+        paged = config.allocator == "paged"   # the contiguous baseline shares nothing: no prefix cache
         self._pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching and paged)
         # A model the engine loaded itself is held once, packed; one passed in keeps its plain
         # weights unless asked (its owner may still run it), and gets them back at shutdown.
@@ -125,6 +125,7 @@ class Engine(GenerationFront):
             dtype_reason)
         if config.speculative is not None:
             self._speculator.default = self.add_drafter(config.speculative)
+        self._advance = functools.partial(self._stepping.step, collect=False)   # no outputs built
         self._loop = StepLoop(self._advance, self._scheduler.has_work, self._work, self._stepping.loop_died)
         if self.device.type == "cuda" and plan.backend.choice == "triton":
             self.warm_up()      # every kernel compiled, every graph captured and verified, before a request
@@ -322,11 +323,6 @@ class Engine(GenerationFront):
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; the outputs of requests that advanced (Stepping)."""
         return self._stepping.step()
-
-    def _advance(self) -> None:
-        """A step whose outputs nobody reads (`generate`, `stream`, the background loop): no
-        RequestOutput is built, so no request's whole text is detokenised every step."""
-        self._stepping.step(collect=False)
 
     trace = property(lambda self: self._stepping.trace, lambda self, v: setattr(self._stepping, "trace", v),
                      doc="None, or a list that records every step's schedule (StepRecord)")

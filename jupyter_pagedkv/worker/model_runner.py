@@ -242,7 +242,7 @@ class StepLayout:
     slots: list[int]
     q_loc: list[int]                       # [num_seqs + 1] query start of each chunk
     seq_lens: list[int]                    # context length after this step
-    tables: list[list[int]]                # each chunk's block ids
+    tables: list                           # each chunk's block ids (a decode's: its table's array view)
     prefill_spans: list[tuple[int, int]]   # (start, end) positions of each prefill chunk
     sample_rows: list[int]                 # rows whose logits are kept
 
@@ -258,7 +258,7 @@ class StepLayout:
             step.slots.append(table.slot(c.start))
             step.q_loc.append(step.q_loc[-1] + 1)
             step.seq_lens.append(c.start + 1)
-            step.tables.append(table.block_ids)
+            step.tables.append(table.ids())
         for c in prefills:
             table = c.seq.block_table
             end = c.start + c.num_tokens

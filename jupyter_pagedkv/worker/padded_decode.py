@@ -118,7 +118,7 @@ class PaddedDecode:
             positions.append(c.start)
             slots.append(table.slot(c.start))
             lens.append(c.start + 1)
-            row = table.block_ids[:widest]
+            row = table.ids()[:widest]
             tables[i, :len(row)] = row
         return self._stage(size, ids + [0] * pad, positions + [0] * pad,
                            slots + [self.scratch_slot] * pad, lens + [1] * pad, tables)

@@ -163,3 +163,35 @@ def test_invariant_checker_catches_a_wrong_ref_count():
     t.blocks[0].ref_count += 1
     with pytest.raises(AssertionError, match="ref_count"):
         pool.check_invariants(refs_of(t))
+
+
+def test_the_id_array_follows_every_change_of_a_table():
+    """`ids()` is what a step stages a row from: after growth past its capacity, copy-on-write,
+    rollback, fork, adoption and freeing it equals the blocks' ids, read before and after."""
+    pool = BlockPool(64, 2)
+    table = BlockTable(pool)
+    copies: list = []
+    same = lambda t: t.ids().tolist() == [b.block_id for b in t.blocks]  # noqa: E731
+    for n in (1, 3, 8, 33, 40, 41):        # 41 slots: 21 blocks, past the first array's 16
+        table.grow(n, copies)
+        assert same(table)
+    child = table.fork()
+    assert same(child) and child.ids().tolist() == table.ids().tolist()
+    child.grow(42, copies)                 # the shared, half-full last block is copied
+    assert copies and same(child) and child.ids()[-1] != table.ids()[-1] and same(table)
+    child.rollback(20)
+    assert same(child) and len(child.ids()) == 10
+    child.grow(30, copies)                 # regrows into the array it kept
+    assert same(child)
+    other = BlockTable(pool)
+    other.adopt(table.blocks[:3])
+    assert same(other)
+    other.free()
+    other.blocks = pool.allocate_many(2, None)   # as a swap-in assigns a table's blocks
+    assert same(other)
+    pool.free_all(other.blocks, None)
+    other.blocks = []
+    for t in (table, child):
+        t.free()
+        assert same(t) and len(t.ids()) == 0
+    pool.check_invariants(Counter(), {})
