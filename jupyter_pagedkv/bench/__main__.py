@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,single,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,structured,kernels,compile,gpu,soak,architectures,dtypes,kvquant} [options]  (add --help after NAME)"
+USAGE = "usage: python -m jupyter_pagedkv.bench {throughput,single,gemm,chat,sharing,speculative,tail,tenants,memory,monitor,structured,kernels,compile,gpu,soak,architectures,dtypes,kvquant,host} [options]  (add --help after NAME)"
 
 
 def main(argv: list[str]) -> int:
@@ -43,6 +43,8 @@ def main(argv: list[str]) -> int:
         from .dtypes import main as run
     elif name == "kvquant":
         from .kvquant import main as run
+    elif name == "host":
+        from .host import main as run
     elif name == "gpu":
         from ..gpucheck.driver import main as run
     elif name == "compile":
