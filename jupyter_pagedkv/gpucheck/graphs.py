@@ -97,8 +97,11 @@ def graphs(report: Report, smoke: bool) -> None:
         report.line(f"graph replay vs eager padded (the same kernels on the same buffers): {agree}/{n} "
                     f"token-identical")
         speedup = modes_data["eager, unpadded"]["seconds"] / modes_data["CUDA graphs"]["seconds"]
+        host = modes_data["CUDA graphs"]["breakdown"].get("host_fraction")
+        verdict = "not measured" if host is None else f"{host:.0%}, {'met' if host < 0.2 else 'missed'}"
         report.line(f"speed-up of graphs over eager unpadded: {speedup:.2f}x; target: host share of a "
-                    f"decode step < 20% with graphs")
+                    f"decode step < 20% with graphs: {verdict} (a performance target: the part passes on "
+                    f"exactness alone)")
         report.put("graph_replay_identical", agree)
         ok = agree == n
     report.finish(ok)
