@@ -75,9 +75,9 @@ PARTS: tuple[Part, ...] = (
     Part("exactness", "Exactness against transformers on the same device: seeded sampled requests, "
                       "greedy on both backends", 55, 480),
     Part("e2e", "One end-to-end point: CUDA graphs off and on", 45, 300),
-    Part("kernel_bench", "Decode kernel: paged vs contiguous SDPA, share of copy bandwidth", 40, 120, quick=False),
+    Part("kernel_bench", "Decode kernel: paged vs contiguous SDPA, share of copy bandwidth", 50, 120, quick=False),
     Part("graphs", "Decode steps as CUDA graphs: replay vs eager, speed-up, host share", 65, 300, quick=False),
-    Part("throughput_small", "End to end, SmolLM2-135M shape: ours vs transformers", 170, 480, quick=False),
+    Part("throughput_small", "End to end, SmolLM2-135M shape: ours vs transformers", 160, 480, quick=False),
     Part("throughput_large", "End to end, Llama-3-8B shape: ours vs transformers", 230, 480, quick=False),
     Part("architectures", "The architecture matrix's exact models on the device (Triton backend)", 35, 240,
          quick=False),

@@ -104,6 +104,17 @@ def test_no_room_is_answered_with_false_and_takes_nothing(make):
 
 
 @pytest.mark.parametrize("make", MANAGERS)
+def test_a_stale_id_array_is_caught_by_the_invariant_checker(make):
+    kv = make()
+    seq = sequence(kv, "a", list(range(6)))
+    assert admit(kv, seq) and kv.allocate_slots(seq, 9, [])
+    kv.check_invariants([seq])
+    seq.block_table.ids()[0] += 1           # a stale row: the step would stage another block
+    with pytest.raises(AssertionError, match="invariant 5"):
+        kv.check_invariants([seq])
+
+
+@pytest.mark.parametrize("make", MANAGERS)
 def test_free_returns_every_block_it_gave(make):
     kv = make()
     seqs = [sequence(kv, f"r{i}", list(range(10 * i, 10 * i + 5)), max_tokens=3) for i in range(3)]
