@@ -9,9 +9,9 @@ decode steps with at least half the requests running, and per request in the bat
 
 Each row is one engine (torch attention, padded decode buckets as under CUDA graphs) running
 `--requests` random prompts (`--prompt-len`, default 32-64 tokens, seeded) to 48-96 greedy
-tokens, EOS ignored, twice: the second run is timed. Long prompts show what grows with context. `--tokenizer` adds the embedded model's tokenizer (49,152 tokens), so
-detokenising is paid as in real use; without it the vocabulary is 512, so the sampling rows'
-arithmetic stays small.
+tokens, EOS ignored, twice: the second run is timed. Long prompts show what grows with context.
+`--tokenizer` adds the embedded model's tokenizer (49,152 tokens), so detokenising is paid as in
+real use; without it the vocabulary is 512, so the sampling rows' arithmetic stays small.
 """
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def run_row(n: int, tokenizer, vocab: int, smoke: bool, prompt_len: tuple[int, i
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(n)]
     limits = [8] * n if smoke else [rng.randint(48, 96) for _ in range(n)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in limits]
+    # KV for every request at once: 512 bytes a token (2 layers x K, V x 2 heads x 16 x fp32), doubled.
+    kv_mib = max(256, n * (prompt_len[1] + 128) * 1024 // 2**20 + 64)
     engine = Engine(model, tokenizer, attention_backend="torch", max_num_seqs=n, max_num_batched_tokens=8192,
-                    pack_weights=False, pad_decode=True,
-                    kv_cache_memory=f"{max(256, n * (prompt_len[1] + 128) * 1024 // 2**20 + 64)}MiB")
+                    pack_weights=False, pad_decode=True, kv_cache_memory=f"{kv_mib}MiB")
     try:
         engine.generate(prompts, params)               # warm: buckets, allocator, caches
         engine.step_timings = []

@@ -113,7 +113,8 @@ def _write(dst: np.ndarray, value, f: Field) -> None:
     [n, w] fills `dst[:n, :w]` and leaves the rest as it was."""
     if isinstance(value, np.ndarray) and value.ndim == 2:
         dst[:value.shape[0], :value.shape[1]] = value
-    elif len(f.shape) == 2 and isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple, np.ndarray)):
+    elif (len(f.shape) == 2 and isinstance(value, (list, tuple)) and value
+          and isinstance(value[0], (list, tuple, np.ndarray))):
         dst.fill(0)
         for i, row in enumerate(value):
             dst[i, :len(row)] = row
