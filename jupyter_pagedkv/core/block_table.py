@@ -61,6 +61,17 @@ class BlockTable:
         return bool(self._blocks) and self.num_slots % self.pool.block_size != 0 \
             and self._blocks[-1].ref_count > 1
 
+    def extend_in_place(self, num_slots: int) -> bool:
+        """Own slots up to `num_slots` if the blocks held already have room for them and the last
+        is not shared (the common decode step: nothing allocated, nothing copied); False, nothing
+        changed, when growing takes a new block or a copy (`grow`)."""
+        if num_slots <= self.num_slots:
+            return True
+        if num_slots > len(self._blocks) * self.pool.block_size or self._last_block_is_shared():
+            return False
+        self.num_slots = num_slots
+        return True
+
     def grow(self, num_slots: int, copies: list[tuple[int, int]]) -> None:
         """Own slots up to `num_slots`; a shared, partly filled last block is copied first.
 
@@ -68,11 +79,7 @@ class BlockTable:
         Raises NoFreeBlocksError without changing anything if the pool runs dry, and changes
         nothing either when an allocation fails part-way (BlockPool.allocate_many).
         """
-        if num_slots <= self.num_slots:
-            return
-        bs = self.pool.block_size
-        if num_slots <= len(self._blocks) * bs and not self._last_block_is_shared():
-            self.num_slots = num_slots   # the common decode step: room left in an owned block
+        if self.extend_in_place(num_slots):
             return
         if self.blocks_needed(num_slots) > self.pool.num_free:
             raise NoFreeBlocksError("no free KV blocks")

@@ -136,6 +136,12 @@ class KVCacheManager(ABC):
         """New blocks (copy-on-write included) that growing `seq` to `num_slots` slots takes."""
         return seq.block_table.blocks_needed(num_slots)
 
+    def extend_in_place(self, seq: Sequence, num_slots: int) -> bool:
+        """Give `seq` slots up to `num_slots` when that takes no new block (room left in its own
+        last block, as most decode steps); False, nothing changed, when it does: then
+        `blocks_needed` and `allocate_slots` decide, caps and preemption included."""
+        return seq.block_table.extend_in_place(num_slots)
+
     def allocate_slots(self, seq: Sequence, num_slots: int, copies: list[tuple[int, int]]) -> bool:
         """Hold slots for `seq`'s positions up to `num_slots` (appending copy-on-write (src, dst)
         pairs to `copies`); False, nothing taken, when the pool has too few free blocks."""

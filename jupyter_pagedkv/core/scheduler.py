@@ -15,8 +15,8 @@ prefix (a chat template's system prompt) compute it once. That is sound because 
 the whole step's K/V before it attends, so a block one chunk computes is in the cache for the next.
 
 Where KV lives is the KVCacheManager's business (core/kv_cache_manager.py): the scheduler asks it for
-computed blocks, slots ("no room": preempt or wait), to free, fork, swap and publish, and never touches a
-pool or block table. `update_from_output` is the one post-forward step, for engine and simulator.
+computed blocks, slots ("no room": preempt or wait; most decode steps take none), to free, fork, swap and
+publish, and never touches a pool or block table. `update_from_output` is the one post-forward step.
 """
 from __future__ import annotations
 
@@ -182,18 +182,18 @@ class Scheduler:
         out = self.plan = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.kv.begin_step()
-        tenancy = self.tenancy
+        tenancy, by_priority = self.tenancy, self.tenancy.by_priority
         blocked = self._make_room(out) if tenancy.fair and self.waiting else set()
         rebalanced = len(out.preempted)
-        if tenancy.by_priority:
+        if by_priority:
             self.running.sort(key=queue_order)   # victims are always the last: never a scheduled one
         i, admitting = 0, True
         while budget > 0:
             head = self.running[i] if i < len(self.running) else None
             cand = None
-            if head is None and len(out.preempted) > rebalanced and not tenancy.by_priority:
+            if head is None and len(out.preempted) > rebalanced and not by_priority:
                 admitting = False   # no swap-ins or admissions in a step that had to preempt to grow
-            if admitting and (head is None or tenancy.by_priority):
+            if admitting and (head is None or by_priority):
                 cand = tenancy.next_candidate(self.swapped, self.waiting, blocked)
                 if cand is not None and any(cand is s for s in out.preempted):
                     blocked.add(cand.tenant)   # not back in the step that preempted it; its tenant waits too
@@ -224,7 +224,7 @@ class Scheduler:
                     blocked.add(cand.tenant)   # that tenant waits for its own blocks; others go on
                     continue
             if chunk is None:
-                if not (tenancy.by_priority and self._preempt_for(cand, budget, i, out)):
+                if not (by_priority and self._preempt_for(cand, budget, i, out)):
                     admitting = False   # the next in line does not fit: nothing behind it jumps the queue
                 continue
             if cand.status is SequenceStatus.WAITING:
@@ -301,7 +301,7 @@ class Scheduler:
     def _grow_or_preempt(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
         """Give `seq` slots up to `num_slots`, preempting newer sequences (its tenant's own when
         it is at its cap; under "fair" the furthest-over tenant's); False if `seq` itself went."""
-        while True:
+        while not self.kv.extend_in_place(seq, num_slots):   # most decode steps take no new block
             need = self.kv.blocks_needed(seq, num_slots)
             if self.tenancy.over_cap(seq.tenant, need):
                 victim = self.tenancy.victim(self.running, tenant=seq.tenant)   # its own, nobody else's
@@ -313,6 +313,7 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is seq:
                 return False
+        return True
 
     def set_tenant(self, name: str, weight: float = 1.0, max_blocks: int | None = None) -> None:
         """Register a tenant's weight and cap; a cap below what it holds now preempts its own
@@ -375,12 +376,11 @@ class Scheduler:
                            append: Callable[[Sequence, int], object]) -> int:
         """The one post-forward protocol (the engine's step and the simulator both call it).
 
-        The step's chunks now have KV: each sequence advances and publishes its full blocks. Only
-        then is `sample()` called (a sequence forked for n samples or beams shares committed KV);
-        `append(seq, token)` adds each token it returns and finishes the sequence through
-        `finish` when a stop rule says so, which frees its blocks; a finished sequence takes no
-        more tokens. Verified drafts' KV is committed once their tokens are in. Returns how many
-        tokens were handed to `append`."""
+        The step's chunks now have KV: each sequence advances and publishes its full blocks. Only then is
+        `sample()` called (a sequence forked for n samples or beams shares committed KV); `append(seq,
+        token)` adds each token it returns and finishes the sequence through `finish` when a stop rule
+        says so, which frees its blocks; a finished sequence takes no more tokens. Verified drafts' KV
+        is committed once their tokens are in. Returns how many tokens were handed to `append`."""
         kv = self.kv
         for c in out.chunks:
             seq = c.seq

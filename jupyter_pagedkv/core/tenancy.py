@@ -96,8 +96,10 @@ class Tenancy:
 
     def over_cap(self, name: str | None, extra: int) -> bool:
         """Whether holding `extra` more blocks would take `name` past its max_blocks."""
+        if extra <= 0:
+            return False
         cap = self.spec(name).max_blocks
-        return cap is not None and extra > 0 and self.held(name) + extra > cap
+        return cap is not None and self.held(name) + extra > cap
 
     # -- decisions ------------------------------------------------------------------------------
     def next_candidate(self, swapped: Iterable[Sequence], waiting: Iterable[Sequence],

@@ -44,6 +44,23 @@ def test_grow_that_cannot_be_served_changes_nothing():
     pool.check_invariants(refs_of(table))
 
 
+def test_extend_in_place_takes_only_room_in_an_owned_last_block():
+    """The scheduler's decode fast path: slots in the blocks a table holds, never a new block or a
+    write into a shared one (those go through `grow`, with the pool, caps and copy-on-write)."""
+    pool = BlockPool(4, 4)
+    table = BlockTable(pool)
+    table.grow(5, [])                        # 2 blocks, 3 free slots in the second
+    free = pool.num_free
+    assert table.extend_in_place(8) and table.num_slots == 8 and pool.num_free == free
+    assert table.extend_in_place(6) and table.num_slots == 8      # never shrinks
+    assert not table.extend_in_place(9) and table.num_slots == 8 and len(table.blocks) == 2
+    table.rollback(6)
+    child = table.fork()                     # the half-full last block is now shared
+    assert not child.extend_in_place(7) and not table.extend_in_place(7)
+    assert child.num_slots == table.num_slots == 6 and pool.num_free == free
+    pool.check_invariants(refs_of(table, child))
+
+
 def test_fork_shares_every_block_and_copy_on_write_splits_the_last():
     pool = BlockPool(8, 4)
     parent = BlockTable(pool)
