@@ -19,7 +19,7 @@ import torch
 from ..worker.kv_cache import KVCache, KVSpec
 from ..worker.model_runner import ModelRunner, RunnerConfig, prepare_model
 from ..worker.plan import PlanOptions, plan_execution
-from ..worker.sampler import Sampler
+from ..worker.sampler import Sampler, row_argmax
 from ..core.scheduler import ScheduledChunk
 from ..core.sequence import Sequence
 
@@ -174,7 +174,7 @@ class DraftModelDrafter:
 
     def _draw(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
         if seq.params.greedy:
-            return int(logits.argmax()), None
+            return int(row_argmax(logits)), None
         q = Sampler.probabilities(logits.float().unsqueeze(0), [seq.params])[0]
         return int(torch.multinomial(q, 1, generator=seq.generator or self.generator)), q
 

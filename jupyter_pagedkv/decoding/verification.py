@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from ..worker.sampler import Sampler
+from ..worker.sampler import Sampler, row_argmax
 from ..core.sampling_params import SamplingParams
 
 
 def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
     """`target_logits [len(drafts) + 1, vocab]` -> accepted drafts plus the target's next token."""
-    best = target_logits.argmax(dim=-1).tolist()
+    best = row_argmax(target_logits).tolist()
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == best[accepted]:
         accepted += 1

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from jupyter_pagedkv import SamplingParams
-from jupyter_pagedkv.worker.sampler import Sampler, race
+from jupyter_pagedkv.worker import sampler as sampler_module
+from jupyter_pagedkv.worker.sampler import Sampler, race, row_argmax
 
 LOGITS = [3.0, 2.6, 2.1, 1.5, 1.2, 0.4, -0.3, -1.0]
 # Each group makes one knob bind: ignoring it, or moving its cut by one token, changes the
@@ -189,9 +190,23 @@ def test_greedy_rows_are_the_argmax_of_their_logits():
 READS = ["tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"]
 
 
+def test_row_argmax_is_torch_argmax():
+    """The CPU's numpy argmax gives ATen's indices: first of equal maxima, NaN the largest, a row of
+    -inf at 0, strided views and a single row (0-d) included; other dtypes go to ATen."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 49152, generator=g)
+    x[1, 7] = x[1, 9] = x[1].max() + 1           # a tie: the first wins
+    x[2, 40] = x[2, 3] = float("nan")             # NaN counts as the largest, the first of them
+    x[3] = float("-inf")
+    for t in (x, x[:, ::3], x[1], x.double(), x.to(torch.bfloat16), torch.randn(2, 5, generator=g)):
+        assert torch.equal(row_argmax(t), t.argmax(dim=-1)), t.shape
+
+
 def test_a_step_reads_the_device_once(monkeypatch):
     """Every way a tensor's value reaches Python is counted: a mixed batch (greedy, seeded,
-    unseeded; every knob) is read back once, by the final `.tolist()`."""
+    unseeded; every knob) is read back once, by the final `.tolist()`. The argmax is ATen's, as on
+    CUDA (`row_argmax` reads a CPU tensor through numpy: no device there)."""
+    monkeypatch.setattr(sampler_module, "row_argmax", lambda x: x.argmax(dim=-1))
     reads: list[str] = []
     for name in READS:
         original = getattr(torch.Tensor, name)
