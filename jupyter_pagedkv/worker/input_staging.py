@@ -14,6 +14,7 @@ after the host call returns.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
@@ -34,7 +35,7 @@ class Field:
 
     @property
     def words(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * _WORDS[self.dtype]
+        return math.prod(self.shape) * _WORDS[self.dtype]
 
 
 def layout(fields: Seq[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[Field], int]:

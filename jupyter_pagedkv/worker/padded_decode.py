@@ -107,21 +107,26 @@ class PaddedDecode:
 
     def fill(self, chunks: list[ScheduledChunk], size: int) -> StaticBatch:
         """Stage this step's decode rows into the bucket's buffers (one copy); padding rows point
-        at the scratch block."""
-        bs, pad = self.kv_cache.block_size, size - len(chunks)
-        widest = max((-(-(c.start + 1) // bs) for c in chunks), default=1)
+        at the scratch block. Per row only the token and the table's ids are read in Python; the
+        slots and lengths follow from the positions and tables as arrays."""
+        bs, n = self.kv_cache.block_size, len(chunks)
+        positions = np.zeros(size, dtype=np.int64)
+        positions[:n] = [c.start for c in chunks]
+        widest = int(positions[:n].max()) // bs + 1 if n else 1
         tables = np.full((size, widest), self.kv_cache.scratch_block, dtype=np.int32)
-        ids, positions, slots, lens = [], [], [], []
+        ids = np.zeros(size, dtype=np.int64)
+        tokens = []
         for i, c in enumerate(chunks):
-            table = c.seq.block_table
-            ids.append(c.seq.token_ids[c.start])
-            positions.append(c.start)
-            slots.append(table.slot(c.start))
-            lens.append(c.start + 1)
-            row = table.ids()[:widest]
+            seq = c.seq
+            tokens.append(seq.token_ids[c.start])
+            row = seq.block_table.ids()[:widest]
             tables[i, :len(row)] = row
-        return self._stage(size, ids + [0] * pad, positions + [0] * pad,
-                           slots + [self.scratch_slot] * pad, lens + [1] * pad, tables)
+        ids[:n] = tokens
+        slots = np.full(size, self.scratch_slot, dtype=np.int64)
+        at = positions[:n]
+        slots[:n] = tables[np.arange(n), at // bs].astype(np.int64) * bs + at % bs
+        lens = positions + 1            # padding rows: position 0, length 1
+        return self._stage(size, ids, positions, slots, lens, tables)
 
     def probe(self, size: int) -> StaticBatch:
         """A bucket whose rows attend over contexts from one token to the longest the buffers
