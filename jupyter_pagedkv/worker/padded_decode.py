@@ -18,6 +18,7 @@ decode is token-identical to unpadded decode).
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -115,15 +116,18 @@ class PaddedDecode:
         widest = int(positions[:n].max()) // bs + 1 if n else 1
         tables = np.full((size, widest), self.kv_cache.scratch_block, dtype=np.int32)
         ids = np.zeros(size, dtype=np.int64)
-        tokens = []
+        tokens, held = [], []
         for i, c in enumerate(chunks):
             seq = c.seq
             tokens.append(seq.token_ids[c.start])
             row = seq.block_table.ids()[:widest]
             tables[i, :len(row)] = row
+            held.append(len(row))
         ids[:n] = tokens
-        slots = np.full(size, self.scratch_slot, dtype=np.int64)
         at = positions[:n]
+        if n and not (at // bs < np.asarray(held)).all():   # else it would write the scratch block
+            raise RuntimeError("a decode row's position lies past its block table: the scheduler did not grow it")
+        slots = np.full(size, self.scratch_slot, dtype=np.int64)
         slots[:n] = tables[np.arange(n), at // bs].astype(np.int64) * bs + at % bs
         lens = positions + 1            # padding rows: position 0, length 1
         return self._stage(size, ids, positions, slots, lens, tables)
@@ -138,8 +142,8 @@ class PaddedDecode:
         tables = np.full((size, self.max_blocks), self.kv_cache.scratch_block, dtype=np.int32)
         return self._stage(size, [0] * size, [0] * size, [self.scratch_slot] * size, lens, tables)
 
-    def _stage(self, size: int, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
-               tables: np.ndarray) -> StaticBatch:
+    def _stage(self, size: int, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+               lens: Sequence[int], tables: np.ndarray) -> StaticBatch:
         batch = self._batch(size)
         # Columns beyond the table's width keep older entries: no sequence's length reaches them.
         batch.staging.fill(batch.fields, {"input_ids": ids, "position_ids": positions, "slot_mapping": slots,

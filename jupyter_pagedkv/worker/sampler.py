@@ -120,6 +120,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     largest). On the CPU, numpy's argmax over float32 rows is SIMD where ATen's walks the row with
     its index: 6 against 57 us for one row of 49,152 logits, 0.8 against 2.9 ms for 64 rows
     (2-core EPYC, torch 2.13), which was most of a greedy token's sampling time."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad or x.is_neg():
         return x.argmax(dim=-1)
-    return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1)))   # host: a CPU tensor's own indices
+    found = np.asarray(x.numpy().argmax(axis=-1)).astype(np.int64, copy=False)   # ATen's dtype on every platform
+    return torch.from_numpy(found)   # host: a CPU tensor's own indices

@@ -141,6 +141,51 @@ def test_max_blocks_is_a_hard_cap_and_only_its_tenant_waits(policy):
     assert first_other is not None and first_other <= 2   # nobody waits on another tenant's cap
 
 
+def test_a_tenant_at_its_cap_still_decodes_into_room_it_holds():
+    """Exactly at max_blocks, a decode token that lands in the tenant's own last block takes no
+    block, so nothing is preempted; the token that needs a new block preempts its own newest."""
+    rng = random.Random(5)
+    pool = BlockPool(32, 4)
+    sched = Scheduler(PagedKVCacheManager(pool), max_num_seqs=4, max_num_batched_tokens=64)
+    sched.set_tenant("t", max_blocks=4)
+    a = sequence(pool, "a", 5, 8, 0.0, "t", rng)   # 2 blocks, 3 slots of room
+    b = sequence(pool, "b", 5, 8, 1.0, "t", rng)
+    for s in (a, b):
+        sched.add(s)
+    step(sched)                                     # both prefilled: the tenant holds its 4 blocks
+    assert pool.num_held("t") == 4
+    for _ in range(3):                              # positions 5, 6, 7: room in the blocks held
+        out, _ = step(sched)
+        assert not out.preempted and len(out.chunks) == 2
+        check_invariants(sched)
+    out, _ = step(sched)                            # position 8 needs a third block for a
+    assert [s.request_id for s in out.preempted] == ["b"] and pool.num_held("t") <= 4
+    check_invariants(sched)
+
+
+def test_a_fork_sharing_a_half_full_block_copies_it_before_writing():
+    """A forked sample shares its parent's partly filled last block, as engine/forks.py's n samples
+    do: the first of the two to write (the parent, earlier in `running`) cannot extend in place and
+    moves to a copy through one copy-on-write pair; the child, then the block's only holder,
+    extends in place."""
+    rng = random.Random(6)
+    pool = BlockPool(16, 4)
+    sched = Scheduler(PagedKVCacheManager(pool), max_num_seqs=4, max_num_batched_tokens=64)
+    parent = sequence(pool, "p", 6, 4, 0.0, None, rng)
+    sched.add(parent)
+    step(sched)                                     # 7 tokens, 6 computed: 2 blocks, the second half full
+    shared = parent.block_table.blocks[1]
+    child = Sequence("p", list(parent.token_ids), parent.prompt_len, parent.params, sched.kv.fork(parent),
+                     parent.arrival_time, num_computed_tokens=parent.num_computed_tokens, sample_index=1)
+    sched.add_running(child)
+    assert shared.ref_count == 2
+    out, _ = step(sched)
+    assert out.copies == [(shared.block_id, parent.block_table.blocks[1].block_id)]
+    assert child.block_table.blocks[1] is shared and shared.ref_count == 1
+    assert len(out.chunks) == 2 and not out.preempted
+    check_invariants(sched)
+
+
 def test_lowering_a_cap_preempts_the_tenants_own_newest_work():
     rng = random.Random(3)
     pool = BlockPool(64, 4)

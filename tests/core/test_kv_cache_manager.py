@@ -82,10 +82,24 @@ def admit(kv: KVCacheManager, seq: Sequence, budget: int = 1 << 20) -> bool:
 def test_each_manager_implements_every_verb_of_the_interface(make):
     kv = make()
     assert isinstance(kv, KVCacheManager) and not inspect.isabstract(type(kv))
-    for verb in ("computed_blocks", "admit", "allocate_slots", "blocks_needed", "free", "publish",
+    for verb in ("computed_blocks", "admit", "extend_in_place", "allocate_slots", "blocks_needed", "free", "publish",
                  "fork", "swap_out", "swap_in", "roll_back", "fits", "num_held", "check_invariants"):
         assert callable(getattr(kv, verb)), verb
     assert kv.num_blocks == 8 and kv.block_size == 4 and kv.num_free == 8
+
+
+@pytest.mark.parametrize("make", MANAGERS)
+def test_extend_in_place_takes_no_block_and_refuses_what_needs_one(make):
+    """Both managers: slots inside the blocks a sequence holds are taken without the pool; past
+    them the answer is False, nothing changed (the contiguous reservation has room to max_tokens)."""
+    kv = make()
+    a = sequence(kv, "a", list(range(5)), max_tokens=3)          # 8 tokens at most: 2 blocks of 4
+    assert admit(kv, a)
+    free, blocks = kv.num_free, list(a.block_table.block_ids)
+    assert kv.extend_in_place(a, 8) and a.block_table.num_slots == 8
+    assert kv.num_free == free and a.block_table.block_ids == blocks
+    assert not kv.extend_in_place(a, 9) and a.block_table.num_slots == 8
+    kv.check_invariants([a])
 
 
 @pytest.mark.parametrize("make", MANAGERS)

@@ -3,6 +3,8 @@ unpadded decode and to transformers across ragged lengths, prefix hits, forks an
 padding rows touch only the scratch block; no host synchronisation in the Triton forward."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,6 +85,36 @@ def test_padding_rows_write_only_the_scratch_block(make_engine):
     assert never_used and all(float(kv.k[:, i].abs().sum()) == 0.0 for i in never_used)
     assert not (kv.k[:, kv.scratch_block, 0] == 7.0).any()        # slot 0 of scratch: written
     assert (kv.k[:, kv.scratch_block, 1:] == 7.0).all()           # no other slot: never touched
+
+
+def test_staged_slots_and_lengths_are_each_rows_own(make_engine, monkeypatch):
+    """Every padded step's staged slot is `BlockTable.slot` of the row's position and its length
+    the position + 1; padding rows hold the scratch slot and length 1. A row whose table lacks the
+    block of its position is refused, not sent to the scratch block."""
+    from jupyter_pagedkv.core.scheduler import ScheduledChunk
+
+    engine = make_engine(MODEL, block_size=4, num_blocks=96, pad_decode=True)
+    padded, staged = engine._runner.padded, []
+    fill = padded.fill
+
+    def checked(chunks, size):
+        batch = fill(chunks, size)
+        pad = size - len(chunks)
+        assert batch.slot_mapping.tolist() == \
+            [c.seq.block_table.slot(c.start) for c in chunks] + [padded.scratch_slot] * pad
+        assert batch.seq_lens.tolist() == [c.start + 1 for c in chunks] + [1] * pad
+        staged.append(len(chunks))
+        return batch
+    monkeypatch.setattr(padded, "fill", checked)
+    engine.generate(random_prompts(5, 256, seed=4, lo=3, hi=14), SamplingParams(max_tokens=9, ignore_eos=True))
+    assert len(staged) >= 8 and max(staged) == 5
+    monkeypatch.undo()
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    engine.step()                                   # prefilled: 3 slots in one block
+    table = engine._scheduler.running[0].block_table
+    longer = SimpleNamespace(token_ids=list(range(12)), block_table=table)   # tokens its table lacks blocks for
+    with pytest.raises(RuntimeError, match="past its block table"):
+        padded.fill([ScheduledChunk(longer, 9, 1)], 1)   # position 9 is in a third block
 
 
 class HostSyncs(TorchDispatchMode):

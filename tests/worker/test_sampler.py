@@ -192,14 +192,17 @@ READS = ["tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "
 
 def test_row_argmax_is_torch_argmax():
     """The CPU's numpy argmax gives ATen's indices: first of equal maxima, NaN the largest, a row of
-    -inf at 0, strided views and a single row (0-d) included; other dtypes go to ATen."""
+    -inf at 0, strided views and one 1-D row (a 0-d answer) included; bf16, a tensor that needs
+    grad and a negated view go to ATen."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(6, 49152, generator=g)
     x[1, 7] = x[1, 9] = x[1].max() + 1           # a tie: the first wins
     x[2, 40] = x[2, 3] = float("nan")             # NaN counts as the largest, the first of them
     x[3] = float("-inf")
-    for t in (x, x[:, ::3], x[1], x.double(), x.to(torch.bfloat16), torch.randn(2, 5, generator=g)):
-        assert torch.equal(row_argmax(t), t.argmax(dim=-1)), t.shape
+    others = (torch.randn(2, 5, generator=g, requires_grad=True), torch._neg_view(x[:2]))
+    for t in (x, x[:, ::3], x[1], x.double(), x.to(torch.bfloat16), *others):
+        found = row_argmax(t)
+        assert found.dtype == torch.int64 and torch.equal(found, t.argmax(dim=-1)), t.shape
 
 
 def test_a_step_reads_the_device_once(monkeypatch):
