@@ -125,10 +125,11 @@ class PaddedDecode:
             held.append(len(row))
         ids[:n] = tokens
         at = positions[:n]
-        if n and not (at // bs < np.asarray(held)).all():   # else it would write the scratch block
+        column = at // bs                      # the block of each row's position
+        if n and not (column < np.asarray(held)).all():   # else it would write the scratch block
             raise RuntimeError("a decode row's position lies past its block table: the scheduler did not grow it")
         slots = np.full(size, self.scratch_slot, dtype=np.int64)
-        slots[:n] = tables[np.arange(n), at // bs].astype(np.int64) * bs + at % bs
+        slots[:n] = tables[np.arange(n), column].astype(np.int64) * bs + at % bs
         lens = positions + 1            # padding rows: position 0, length 1
         return self._stage(size, ids, positions, slots, lens, tables)
 
