@@ -66,8 +66,7 @@ class Engine(GenerationFront):
         config = (config or EngineConfig()).replace(**options)
         self._config, self.model, self.tokenizer = config, model, tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.device, self.dtype = setup.served_as(model, config)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_model_len = config.max_model_len or getattr(text, "max_position_embeddings", None) or 4096
         self._vocab_size = text.vocab_size
@@ -144,7 +143,7 @@ class Engine(GenerationFront):
         """Load a model (None: the embedded SmolLM2-135M-Instruct) and build an engine around it."""
         from ..worker.loader import load_model, resolve_device_dtype
         config = (config or EngineConfig()).replace(device=device, dtype=dtype, **options)
-        dev, choice = resolve_device_dtype(config.device, config.dtype)
+        dev, choice = resolve_device_dtype(config.device, config.dtype, config.weights)
         loaded = load_model(model, choice.dtype, dev, revision=config.revision,
                             trust_remote_code=config.trust_remote_code, weights=config.weights)
         return cls(loaded.model, loaded.tokenizer, config, name=loaded.name, owns_model=True,

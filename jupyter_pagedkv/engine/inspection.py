@@ -23,7 +23,7 @@ from ..decoding.speculative import Speculator
 from ..worker.kv_cache import KVCache
 from ..worker.model_runner import ModelRunner
 from ..worker.plan import Decision
-from ..worker.quant_linear import describe_blocks
+from ..worker.quant_linear import describe_blocks, logical_parameters, packed_bytes
 from .block_tables import SeqBlocks, block_tables
 from .outputs import EngineInfo, Observation, QueueHead, RequestRow
 from .request import Request
@@ -125,6 +125,8 @@ class EngineInspection:
         dtype = str(self.dtype).replace("torch.", "")
         n, bs, kv = self.pool.num_blocks, self.block_size, self.kv_cache
         packed = self.runner.packed
+        params, in_blocks = logical_parameters(self.runner.model)
+        weight_bytes = packed_bytes(self.runner.model) if in_blocks else params * self.dtype.itemsize
         summary = (f"{self.name} on {self.device.type} ({dtype}): {n:,} blocks × {bs} = {n * bs:,} tokens "
                    f"of KV{_quantized(kv.spec)}, {kv.bytes_per_block:,} bytes per block, "
                    f"{format_bytes(kv.nbytes)} KV memory, "
@@ -135,12 +137,12 @@ class EngineInspection:
                    + (f", {_prefill_phrase(self.runner.plan.prefill_attention)}" if self.device.type == "cpu" else "")
                    + (f", {len(self.warmed_kernels)} Triton kernel launches warmed up" if self.warmed_kernels else "")
                    + _decode_steps(self.runner.padded, self.device.type, self.runner.backend)
-                   + (f"; {dtype} because {self.dtype_reason[len('auto: '):]}"
-                      if self.dtype_reason.startswith("auto: ") else ""))
+                   + _dtype_note(dtype, self.dtype_reason))
         return EngineInfo(self.name, self.device.type, dtype, n, bs, summary, kv.bytes_per_block, kv.nbytes,
                           prefix_caching=self.pool.enable_prefix_caching, max_model_len=self.max_model_len,
                           swap_blocks=self.swap.num_slots if self.swap is not None else 0,
-                          plan=self.runner.plan.lines(), kv_dtype=kv.spec.dtype_name)
+                          plan=self.runner.plan.lines(), kv_dtype=kv.spec.dtype_name,
+                          num_parameters=params, weight_bytes=weight_bytes)
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` after every step, in the stepping thread: monitors wake on it instead
@@ -238,3 +240,13 @@ def _step_loop(lean) -> str:
         return ""
     native = lean.native is not None and lean.native.enabled
     return ", steps in the lean loop" + (" (decode steps in C++)" if native else "")
+
+
+def _dtype_note(dtype: str, reason: str) -> str:
+    """Why the engine computes in its dtype, where that is worth a word: what "auto" chose, or a
+    dtype asked for that this machine computes slowly."""
+    if reason.startswith("auto: "):
+        return f"; {dtype} because {reason[len('auto: '):]}"
+    if reason.startswith("asked for: "):
+        return f"; {dtype} as asked, but {reason[len('asked for: '):]}"
+    return ""

@@ -148,10 +148,12 @@ class EngineInfo:
     swap_blocks: int = 0               # host slots for swapped-out blocks (swap preemption)
     plan: tuple[str, ...] = ()         # the execution plan, one "role: choice (why)" per line (local engines)
     kv_dtype: str | None = None        # how K/V are stored: the model's dtype, "fp8_e4m3" or "int8"
+    num_parameters: int | None = None  # the weights as the dense model counts them (tied ones once)
+    weight_bytes: int | None = None    # what a forward reads of them: dtype-sized, or packed GGUF blocks
 
     @property
     def kv_phrase(self) -> str | None:
-        """'KV fp8_e4m3, 2,112 bytes per token': what the monitor's title and `%pagedkv status`
+        """'KV int8, 11,880 bytes per token': what the monitor's title and `%pagedkv status`
         say of the cache (None for an engine that does not report it, a server)."""
         if self.kv_dtype is None or self.bytes_per_block is None:
             return None

@@ -10,6 +10,28 @@ from ..worker.host_memory import available_bytes as host_available_bytes
 from ..worker.kv_cache import KVCache, KVSpec
 
 
+def served_as(model, config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of a model an engine is built on. An engine serves the model as it is:
+    a device, dtype or weights option that contradicts it (options that act when loading, which
+    `Engine.from_pretrained` honours) is one line, rather than a config that describes another engine."""
+    from ..worker.loader import choose_dtype
+    from ..worker.quant_linear import QuantEmbedding, QuantLinear
+
+    first = next(model.parameters())
+    device, dtype = first.device, first.dtype
+    asked = torch.device(config.device) if config.device != "auto" else None
+    if asked is not None and (asked.type != device.type or asked.index not in (None, device.index)):
+        raise ValueError(f"device={config.device!r}, but the model passed in is on {device}: load it there "
+                         f"with Engine.from_pretrained(..., device={config.device!r}) or move it first")
+    if config.dtype != "auto" and choose_dtype(device, config.dtype).dtype != dtype:
+        raise ValueError(f"dtype={config.dtype!r}, but the model passed in holds {str(dtype).replace('torch.', '')}: "
+                         f"load it with Engine.from_pretrained(..., dtype={config.dtype!r}) or convert it first")
+    if config.weights == "packed" and not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
+        raise ValueError("weights='packed', but the model passed in holds dense weights: packed weights are "
+                         "read from a GGUF file by Engine.from_pretrained(path_or_None, weights='packed')")
+    return device, dtype
+
+
 def default_kv_bytes(device: torch.device) -> int:
     """CPU: a modest 1 GiB. CUDA: 90% of what is free after weights, minus an activation reserve."""
     if device.type != "cuda":

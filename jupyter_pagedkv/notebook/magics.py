@@ -45,7 +45,7 @@ jupyter-pagedkv magics (one engine per kernel, shared by every cell):
   %pagedkv unload                   release the model and the KV memory
   %pagedkv bench NAME [...]         run `python -m jupyter_pagedkv.bench NAME ...` in a subprocess
                                     (its plots are shown here), e.g. `%pagedkv bench tail --scale sim`
-  %pagedkv plan MODEL [--gpu G] [--num-gpus N] [--context N]
+  %pagedkv plan MODEL [--gpu G] [--num-gpus N] [--context N] [--kv-cache-dtype auto|fp8_e4m3|int8]
                                     KV capacity: bytes per token, tokens that fit, paged vs contiguous
   %pagedkv connect URL [--api-key-env NAME] [--model NAME] [--kv-events tcp://HOST:PORT] [--timeout S]
                                     stream %%generate / %%chat from a vLLM server; status and monitor
@@ -114,7 +114,8 @@ class PagedKVMagics(Magics):
         try:
             self.session.load(args.model, **kwargs)
         except (ValueError, RuntimeError) as err:   # unknown model, bad dtype, a pool too small...
-            note = " (the previous model was unloaded first)" if replaced else ""
+            unloaded = replaced and self.session.engine is None      # the preflight failing unloads nothing
+            note = " (the previous model was unloaded first)" if unloaded else ""
             raise UsageError(f"cannot load: {err}{note}") from None
         print(f"loaded {self.session.summary_line()} [{self.session.load_seconds:.1f} s]")
 

@@ -30,14 +30,18 @@ def release_freed_memory() -> None:
 
 
 def preflight(model: str | None, device: str, dtype: str, revision: str | None = None,
-              trust_remote_code: bool = False) -> None:
+              trust_remote_code: bool = False, weights: str = "dense") -> None:
     """Catch a mistyped model, device or dtype before the current engine is unloaded for it.
 
     A hub id is fetched here (downloaded on first use, with the hub's progress bars), so a wrong
-    id, a gated repo or a missing network leaves the loaded engine in place. Raises ValueError
-    with the loader's wording; the full checks still happen while loading."""
-    from ..worker.loader import choose_dtype, embedded_gguf, locate
+    id, a gated repo or a missing network leaves the loaded engine in place. Packed weights: the
+    GGUF file's header is read too. Raises ValueError with the loader's wording; the full checks
+    still happen while loading."""
+    from ..worker.loader import check_packed, choose_dtype, embedded_gguf, locate
 
+    if weights == "packed":
+        check_packed(model, device, dtype)
+        return
     if model is None:
         embedded_gguf()
     else:
@@ -140,7 +144,8 @@ class KernelSession:
     def load(self, model: str | None, progress: bool = True, **engine_kwargs: Any) -> EngineClient:
         """Replace the engine: unload the old one first (its memory back), then load and start."""
         preflight(model, engine_kwargs.get("device", "auto"), engine_kwargs.get("dtype", "auto"),
-                  engine_kwargs.get("revision"), engine_kwargs.get("trust_remote_code", False))
+                  engine_kwargs.get("revision"), engine_kwargs.get("trust_remote_code", False),
+                  engine_kwargs.get("weights", "dense"))
         self.disconnect()
         # What the old model cached, so `why` on the new one says "another model" for it.
         ledger = self.engine.prefix_ledger() if self.engine is not None else None

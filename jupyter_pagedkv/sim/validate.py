@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from .plan import ModelShape
 from ..core.scheduler import StepRecord
 from .cost_model import CostModel, ModelCost
@@ -27,12 +25,11 @@ def sim_config_of(engine) -> SimConfig:
 
 
 def model_cost_of(engine) -> ModelCost:
-    """Per-token bytes and FLOPs of the engine's own model at its own precision."""
-    params = sum(p.numel() for p in engine.model.parameters())   # tied weights counted once
-    shape = ModelShape.from_config(engine.model.config, engine.name, float(params))
-    elem = torch.empty((), dtype=engine.dtype).element_size()
+    """Per-token bytes and FLOPs of the engine's own model at its own precision (packed GGUF
+    weights: their logical parameters for the FLOPs, their blocks' bytes for the reads)."""
     info = engine.info()
-    return ModelCost(shape, params * elem, info.bytes_per_block // info.block_size)
+    shape = ModelShape.from_config(engine.model.config, engine.name, float(info.num_parameters))
+    return ModelCost(shape, info.weight_bytes, info.bytes_per_block // info.block_size)
 
 
 def replay_requests(prompts: list[TimedPrompt], outputs: dict) -> list[SimRequest]:

@@ -28,6 +28,8 @@ _PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "ffn_down": "mlp.down_proj"}
 _NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _PLAIN = ("F32", "F16")
+# Whole-model tensors; rope_freqs: Llama 3.1+ rope scaling as llama.cpp's converter writes it.
+_GLOBAL = ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight")
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -41,11 +43,10 @@ def _architecture(reader) -> str:
     return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
 
 
-def load_packed_model(path: Path, metadata: Path):
-    """(model, tokenizer) of a Llama-architecture GGUF file, weights packed; `metadata` is a folder
-    with the file's config and tokenizer (loader.gguf_metadata_dir). Bad input is one line."""
+def check_packable(path: Path):
+    """The file's header read (no tensor data, no metadata conversion): a GGUF file packed weights
+    cannot load is one line naming why and the way out. Returns the reader."""
     import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     reader = gguf.GGUFReader(str(path))
     arch = _architecture(reader)
@@ -54,7 +55,22 @@ def load_packed_model(path: Path, metadata: Path):
                          f"files: load it with weights='dense' (--weights dense)")
     for t in reader.tensors:
         if len(t.shape) == 2 and t.tensor_type.name not in _PLAIN:
-            block_kind(t.tensor_type.name)        # unsupported block types: one line, before any work
+            block_kind(t.tensor_type.name)        # an unsupported block type: one line naming the supported
+        match = _LAYER.match(t.name)
+        known = (t.name in _GLOBAL if match is None
+                 else match.group(3) == "bias" or match.group(2) in _NORMS or match.group(2) in _PROJECTIONS)
+        if not known:
+            raise ValueError(f"{path.name}: tensor {t.name} has no place in a Llama model: load it with "
+                             f"weights='dense'")
+    return reader
+
+
+def load_packed_model(path: Path, metadata: Path):
+    """(model, tokenizer) of a Llama-architecture GGUF file, weights packed; `metadata` is a folder
+    with the file's config and tokenizer (loader.gguf_metadata_dir). Bad input is one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    reader = check_packable(path)
     config = AutoConfig.from_pretrained(metadata, local_files_only=True)
     config.dtype = torch.float32
     with torch.device("meta"):
@@ -86,14 +102,12 @@ def load_packed_model(path: Path, metadata: Path):
             continue                               # biases are taken with their weight
         elif name == "token_embd.weight":
             base.embed_tokens = _embedding(data, t)
-            continue
         elif name == "output_norm.weight":
             _set_parameter(base.norm, "weight", data)
-            continue
         elif name == "output.weight":
             model.lm_head = _linear(data, t, None)
-            continue
-        raise ValueError(f"{path.name}: tensor {name} has no place in a Llama model: load it with weights='dense'")
+        elif name == "rope_freqs.weight":
+            apply_rope_factors(base.rotary_emb, data)
     if "output.weight" not in tensors:             # tied: the output layer reads the embedding's blocks
         emb = base.embed_tokens
         if not isinstance(emb, QuantEmbedding):
@@ -111,6 +125,18 @@ def load_packed_model(path: Path, metadata: Path):
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(metadata, local_files_only=True)
     return model, tokenizer
+
+
+def apply_rope_factors(rotary: nn.Module, factors: np.ndarray) -> None:
+    """Divide each rotary frequency by its factor from the file's `rope_freqs` (as llama.cpp does:
+    Llama 3.1+ rope scaling). transformers' GGUF loader reads neither the tensor nor the scaling
+    keys, so a dense load of such a file rotates with the unscaled frequencies."""
+    factors = torch.from_numpy(np.asarray(factors, dtype=np.float32).reshape(-1))   # host: packed weights are CPU-only
+    if factors.shape != rotary.inv_freq.shape:
+        raise ValueError(f"rope_freqs holds {factors.numel()} factors for {rotary.inv_freq.numel()} rotary "
+                         f"frequencies: load the file with weights='dense'")
+    rotary.inv_freq = rotary.inv_freq / factors
+    rotary.original_inv_freq = rotary.inv_freq.clone()
 
 
 def _set_parameter(module: nn.Module, name: str, data: np.ndarray) -> None:

@@ -154,19 +154,39 @@ def load_model(model: str | os.PathLike | None, dtype, device, revision: str | N
 
 def _load_packed(model: str | os.PathLike | None, dtype, device) -> LoadedModel:
     """The embedded model's or a `.gguf` file's weights kept packed, fp32 activations on the CPU."""
+    from .gguf_packed import check_packable, load_packed_model
+
+    check_packed_device(device, dtype)
+    path = packed_path(model)
+    check_packable(path)                 # the file's own header: before transformers parses its metadata
+    hf_model, tokenizer = load_packed_model(path, gguf_metadata_dir(path))
+    return LoadedModel(hf_model, tokenizer, EMBEDDED_NAME if model is None else str(model), "gguf")
+
+
+def check_packed_device(device, dtype) -> None:
+    """Packed weights compute in fp32 on the CPU: anything else asked for is one line."""
     import torch
-
-    from .gguf_packed import load_packed_model
-
     if torch.device(device).type != "cpu" or dtype not in (None, torch.float32):
         raise ValueError(f"weights='packed' computes in float32 on the CPU (asked: {device}, {dtype}): pass "
-                         f"device='cpu' and dtype='float32', or use weights='dense'")
+                         f"device='cpu' and dtype='float32' (or leave them auto), or use weights='dense'")
+
+
+def check_packed(model: str | os.PathLike | None, device: str = "auto", dtype: str = "auto") -> None:
+    """What loading with weights="packed" would refuse (the device, the dtype, the file and its
+    header), found without loading: `%pagedkv load`'s preflight."""
+    from .gguf_packed import check_packable
+
+    resolve_device_dtype(device, dtype, "packed")
+    check_packable(packed_path(model))
+
+
+def packed_path(model: str | os.PathLike | None) -> Path:
+    """The GGUF file packed weights read: the embedded one, or the `.gguf` path given."""
     path = embedded_gguf() if model is None else Path(os.path.expanduser(str(model)))
     if path.suffix.lower() != ".gguf" or not path.is_file():
         raise ModelNotFoundError(f"weights='packed' reads a GGUF file (Q4_0, Q4_1, Q8_0 blocks), not {model}: "
                                  f"pass a .gguf path, nothing for the embedded model, or use weights='dense'")
-    hf_model, tokenizer = load_packed_model(path, gguf_metadata_dir(path))
-    return LoadedModel(hf_model, tokenizer, EMBEDDED_NAME if model is None else str(model), "gguf")
+    return path
 
 
 def gguf_metadata_dir(gguf: Path) -> Path:
@@ -252,6 +272,9 @@ def choose_dtype(device, dtype: str = "auto") -> DtypeChoice:
         torch_dtype = getattr(torch, str(dtype).replace("torch.", ""), None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+        if torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not native_bf16():
+            return DtypeChoice(torch_dtype, "asked for: this CPU has no native bf16 (no AMX or AVX-512 BF16), so "
+                                            "torch emulates it, about 5x slower than float32 (bench dtypes)")
         return DtypeChoice(torch_dtype, "asked for")
     if torch.device(device).type == "cuda":
         return DtypeChoice(None, "auto: the checkpoint's own dtype on a GPU (bf16 for fp32 weights)")
@@ -276,10 +299,18 @@ def checkpoint_dtype(folder: Path):
     return found if isinstance(found, torch.dtype) and found != torch.float32 else torch.bfloat16
 
 
-def resolve_device_dtype(device: str = "auto", dtype: str = "auto"):
-    """("auto" | "cpu" | "cuda:1" ..., "auto" | "bfloat16" ...) -> (torch.device, DtypeChoice)."""
+def resolve_device_dtype(device: str = "auto", dtype: str = "auto", weights: str = "dense"):
+    """("auto" | "cpu" | "cuda:1" ..., "auto" | "bfloat16" ..., "dense" | "packed") ->
+    (torch.device, DtypeChoice). Packed weights make "auto" mean the CPU and fp32, the only place
+    and dtype they compute in; a device or dtype asked for elsewhere is refused, not changed."""
     import torch
 
+    if weights == "packed":
+        dev = torch.device("cpu" if device == "auto" else device)
+        choice = (DtypeChoice(torch.float32, "auto: packed GGUF weights compute in float32 on the CPU")
+                  if dtype == "auto" else choose_dtype(dev, dtype))
+        check_packed_device(dev, choice.dtype)
+        return dev, choice
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                        else ("cpu" if device == "auto" else device))
     return dev, choose_dtype(dev, dtype)

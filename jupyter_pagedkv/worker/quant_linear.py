@@ -177,6 +177,19 @@ def packed_bytes(model: nn.Module) -> int:
     return total
 
 
+def logical_parameters(model: nn.Module) -> tuple[int, int]:
+    """(parameters as the dense model counts them, of which in GGUF blocks): a packed layer's
+    weight is a uint8 buffer, not a parameter, so `model.parameters()` alone leaves it out. A
+    tied output layer reads its embedding's very tensor and is counted once, as tied weights are."""
+    dense = sum(p.numel() for p in model.parameters())
+    seen, packed = set(), 0
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.blocks.data_ptr() not in seen:
+            seen.add(m.blocks.data_ptr())
+            packed += m.blocks.shape[0] * (m.in_features if isinstance(m, QuantLinear) else m.embedding_dim)
+    return dense + packed, packed
+
+
 def describe_blocks(model: nn.Module) -> str | None:
     """'weights in GGUF blocks (Q4_1, Q8_0; 92.10 MiB)' for a model with packed layers, else None."""
     layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]

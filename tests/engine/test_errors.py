@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import tiny_model
 from jupyter_pagedkv import Engine, SamplingParams
@@ -90,6 +91,21 @@ def test_unknown_model_is_one_line(tmp_path):
 def test_designed_options_not_built_yet_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, None, num_blocks=8, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dtype="bfloat16"), r"^dtype='bfloat16', but the model passed in holds float32: load it with "
+                             r"Engine.from_pretrained\(..., dtype='bfloat16'\) or convert it first$"),
+    (dict(device="cuda:1"), r"^device='cuda:1', but the model passed in is on cpu"),
+    (dict(weights="packed"), r"^weights='packed', but the model passed in holds dense weights"),
+])
+def test_load_options_that_contradict_a_model_passed_in_are_refused(kwargs, message):
+    """An engine serves a model as it is: a config describing another engine is refused (one line)."""
+    with pytest.raises(ValueError, match=message):
+        Engine(MODEL, None, num_blocks=8, **kwargs)
+    engine = Engine(MODEL, None, num_blocks=8, device="cpu", dtype="float32")    # agreeing: served
+    assert (engine.device.type, engine.dtype, engine.config.dtype) == ("cpu", torch.float32, "float32")
+    engine.shutdown()
 
 
 def test_a_duplicate_live_request_id_is_refused_and_a_finished_one_may_be_reused(engine):

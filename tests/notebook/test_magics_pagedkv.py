@@ -105,14 +105,17 @@ def test_reset_cache_drops_cached_blocks(ip, capsys):
     ("%pagedkv load --dtype float13", "unknown dtype 'float13'"),
     pytest.param("%pagedkv load --device cuda", "no CUDA device here",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    ("%pagedkv load --weights packed --dtype bfloat16", r"weights='packed' computes in float32 on the CPU"),
+    ("%pagedkv load docs --weights packed", r"weights='packed' reads a GGUF file"),
     ("%pagedkv status --block-size 8", "only applies to `%pagedkv load`"),
     ("%pagedkv frobnicate", "invalid choice"),
 ])
 def test_bad_pagedkv_lines_are_one_usage_error(ip, line, message):
     engine = current().engine
-    with pytest.raises(UsageError, match=message):
+    with pytest.raises(UsageError, match=message) as err:
         run(ip, line)
     assert current().engine is engine and engine.is_running   # a typo does not cost the engine
+    assert "unloaded" not in str(err.value) and "\n" not in str(err.value)
 
 def test_pagedkv_bench_runs_the_bench_module_in_a_subprocess(ip, capsys):
     run(ip, "%pagedkv bench --help")

@@ -226,11 +226,13 @@ def test_an_unsupported_block_type_is_one_line_naming_the_supported_and_the_way_
     assert "\n" not in message and "Q4_0, Q4_1, Q8_0" in message and "weights='dense'" in message
 
 
-def _write_gguf(path, arch: str, qtype) -> None:
+def _write_gguf(path, arch: str, qtype, extra: str | None = None) -> None:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     shape = gguf.quants.quant_shape_to_byte_shape((4, 256), qtype)
     writer.add_tensor("blk.0.attn_q.weight", np.zeros(shape, dtype=np.uint8), raw_dtype=qtype)
+    if extra is not None:                                  # one more F32 tensor of that name
+        writer.add_tensor(extra, np.ones(8, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -257,6 +259,55 @@ def test_packed_weights_need_fp32_on_the_cpu():
     from jupyter_pagedkv.worker.loader import load_model
     with pytest.raises(ValueError, match=r"computes in float32 on the CPU .* or use weights='dense'"):
         load_model(None, torch.bfloat16, torch.device("cpu"), weights="packed")
+
+
+def test_auto_means_the_cpu_and_fp32_for_packed_weights_wherever_a_gpu_or_native_bf16_is(monkeypatch):
+    """"auto" elsewhere picks CUDA or bf16; with packed weights it picks where they compute, and
+    only a device or dtype the user asked for is refused."""
+    from jupyter_pagedkv.worker import loader
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(loader, "native_bf16", lambda: "AMX")
+    assert loader.resolve_device_dtype("auto", "auto")[0].type == "cuda"          # dense: as before
+    dev, choice = loader.resolve_device_dtype("auto", "auto", "packed")
+    assert (dev.type, choice.dtype) == ("cpu", torch.float32) and "packed GGUF weights" in choice.reason
+    for device, dtype in (("cuda", "auto"), ("auto", "bfloat16")):
+        with pytest.raises(ValueError, match=r"^weights='packed' computes in float32 on the CPU"):
+            loader.resolve_device_dtype(device, dtype, "packed")
+
+
+def test_a_bad_gguf_file_is_refused_before_transformers_reads_its_metadata(tmp_path, monkeypatch):
+    from jupyter_pagedkv.worker import loader
+    monkeypatch.setenv("JUPYTER_PAGEDKV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "gguf_metadata_dir", lambda path: pytest.fail("metadata read first"))
+    path = tmp_path / "odd.gguf"
+    _write_gguf(path, "llama", gguf.GGMLQuantizationType.Q6_K)
+    with pytest.raises(ValueError, match=r"not Q6_K: load with weights='dense'"):
+        loader.load_model(path, None, "cpu", weights="packed")
+    _write_gguf(path, "llama", gguf.GGMLQuantizationType.Q4_1, extra="blk.0.ffn_gate_exps.weight")
+    with pytest.raises(ValueError, match=r"^odd.gguf: tensor blk.0.ffn_gate_exps.weight has no place in a "
+                                         r"Llama model: load it with weights='dense'$"):
+        loader.load_model(path, None, "cpu", weights="packed")
+
+
+def test_rope_frequency_factors_divide_the_rotary_frequencies_as_llama_cpp_does(tmp_path):
+    """Llama 3.1+ files carry `rope_freqs`: theta_i = position * base^(-2i/d) / factor_i."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from jupyter_pagedkv.worker.gguf_packed import apply_rope_factors, check_packable
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=10000.0)
+    rotary = LlamaRotaryEmbedding(config)
+    factors = np.linspace(1.0, 8.0, 8, dtype=np.float32)
+    apply_rope_factors(rotary, factors)
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
+    assert torch.equal(rotary.inv_freq, plain / torch.from_numpy(factors))
+    cos, _ = rotary(torch.zeros(1, 1, 16), torch.tensor([[5]]))
+    assert torch.allclose(cos[0, 0, :8], torch.cos(5 * plain / torch.from_numpy(factors)))
+    with pytest.raises(ValueError, match=r"rope_freqs holds 3 factors for 8 rotary frequencies"):
+        apply_rope_factors(rotary, factors[:3])
+    path = tmp_path / "llama31.gguf"
+    _write_gguf(path, "llama", gguf.GGMLQuantizationType.Q4_1, extra="rope_freqs.weight")
+    check_packable(path)                                  # a place for it: not refused
 
 
 # -- the embedded model (slow: one packed load per module) -------------------------------------
@@ -409,3 +460,21 @@ def test_the_cpp_loop_keeps_its_arguments_only_while_the_modules_hold_the_same_t
     assert args[0][3] is weight and args[11][3] is None
     out = engine.generate([tokenizer("Hello").input_ids], SamplingParams(max_tokens=3, temperature=0.0))
     assert len(out[0].token_ids) == 3 and loop.enabled
+
+
+@pytest.mark.slow
+def test_a_packed_engine_counts_its_weights_as_the_dense_model_does(packed_embedded, embedded, make_engine):
+    """`info()` (and the simulator's cost model from it) counts a packed layer's logical weights,
+    which are buffers, not parameters; the bytes read are the blocks'. Before, the cost model saw
+    only the norms' 35k parameters and priced a 10-token prefill at negative FLOPs."""
+    from jupyter_pagedkv.sim.validate import model_cost_of
+    from jupyter_pagedkv.worker.quant_linear import packed_bytes
+    model, tokenizer = packed_embedded
+    reference, _ = embedded
+    info = make_engine(model, tokenizer).info()
+    assert info.num_parameters == sum(p.numel() for p in reference.parameters())      # 134,515,008
+    assert info.weight_bytes == packed_bytes(model) < info.num_parameters            # < 1 byte a weight
+    dense = make_engine(reference, tokenizer, kv_cache_memory="8MiB").info()
+    assert (dense.num_parameters, dense.weight_bytes) == (info.num_parameters, 4 * info.num_parameters)
+    cost = model_cost_of(make_engine(model, tokenizer, kv_cache_memory="8MiB"))
+    assert cost.weight_bytes == info.weight_bytes and cost.shape.num_params == info.num_parameters
