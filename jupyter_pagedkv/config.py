@@ -203,6 +203,11 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
+def choices_of(name: str) -> tuple:
+    """An option's choices, for a command line that passes it on to an engine (a benchmark)."""
+    return next(f.metadata["choices"] for f in fields(EngineConfig) if f.name == name)
+
+
 def load_arguments() -> list[tuple[tuple, dict]]:
     """(args, kwargs) for `argparse.add_argument` / IPython's `argument`, one per option."""
     out = []

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..gpucheck.report import cpu_isa
+from .cli import at_least
 
 TEXT = Path(__file__).with_name("kvquant_text.txt")
 KINDS = ("auto", "fp8_e4m3", "int8")
@@ -84,11 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.bench kvquant", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the model's dtype")
-    parser.add_argument("--tokens", type=int, default=4096, help="text tokens scored (at most the file's)")
-    parser.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
-    parser.add_argument("--chunk", type=int, default=128, help="prefill chunk (max_num_batched_tokens)")
-    parser.add_argument("--continuations", type=int, default=4, help="greedy continuations of 128 tokens")
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=at_least(2), default=4096, help="text tokens scored (at most the file's)")
+    parser.add_argument("--window", type=at_least(2), default=512, help="tokens per teacher-forced window")
+    parser.add_argument("--chunk", type=at_least(2), default=128,
+                        help="prefill chunk (max_num_batched_tokens); the last row's chunks are 3/4 of it")
+    parser.add_argument("--continuations", type=at_least(1), default=4, help="greedy continuations (of --new-tokens)")
+    parser.add_argument("--new-tokens", type=at_least(1), default=128, help="tokens per greedy continuation")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     loaded = load_model(None, getattr(torch, args.dtype), torch.device("cpu"))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import at_least
+
 REPO = Path(__file__).resolve().parents[2]
 LLAMACPP_VENV = REPO / ".venv-llamacpp"
 QUESTIONS = ("Tell me about the moon in one short paragraph.",
@@ -232,8 +234,9 @@ def decode_rate(r: dict, tokens: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.bench single", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds (one prompt each, cycled); medians over them")
+    ap.add_argument("--tokens", type=at_least(2), default=128,
+                    help="tokens generated per request (the first is TTFT, decode rates the rest)")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (one prompt each, cycled); medians over them")
     ap.add_argument("--systems", default=",".join(SYSTEM_NAMES), help="comma-separated subset")
     ap.add_argument("--json", type=Path, help="write the rows and medians here")
     ap.add_argument("--gemms", action="store_true", help="only compare the GEMMs packed weights could use")

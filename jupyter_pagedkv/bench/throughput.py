@@ -45,6 +45,8 @@ import torch
 from . import throughput_report as report
 from ..testing.peers import hf_continuous, hf_padded, hf_single
 from ..sim.workload import chat_requests
+from ..config import choices_of
+from .cli import at_least
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_VENV = REPO / ".venv-peers"
@@ -128,8 +130,8 @@ def run_peer_vllm(model_dir: Path, payload, repeats: int, dtype: str, timeout: i
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m jupyter_pagedkv.bench throughput", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the in-process systems")
+    ap.add_argument("--requests", type=at_least(1), default=32)
+    ap.add_argument("--rounds", type=at_least(1), default=2, help="alternating rounds of the in-process systems")
     ap.add_argument("--single-subset", type=int, default=8,
                     help="requests timed for one-at-a-time generate (it is slow; tokens/s is per request)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["single", "padded", "continuous", "vllm", "step"],
@@ -147,17 +149,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also run our engine recording every request (engine.record), alternating with it: "
                          "the ratio line is recording's overhead")
     ap.add_argument("--json", type=Path, help="also write the results here (keys: see above)")
-    ap.add_argument("--shapes", type=int, default=0, metavar="N",
+    ap.add_argument("--shapes", type=at_least(0), default=0, metavar="N",
                     help="instead of the tables above: N seeded workload shapes (short/long outputs, shared/"
                          "distinct prefixes, 8-64 requests), ours against vLLM CPU on each, and the minimum "
                          "ratio over them (throughput_shapes.py)")
     ap.add_argument("--shape-seed", type=int, default=0, help="seed of the shapes and their texts")
     ap.add_argument("--weights", choices=["dense", "packed"], default="dense",
                     help="with --shapes: packed adds a second table, ours on the GGUF's packed blocks (fp32)")
-    ap.add_argument("--kv-cache-dtype", default="auto",
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=choices_of("kv_cache_dtype"),
                     help="with --shapes: not auto adds a second table, ours with this KV cache dtype "
                          "(EngineConfig.kv_cache_dtype)")
     args = ap.parse_args(argv)
+    shape_only = [flag for flag, given in (("--shape-seed", args.shape_seed != 0), ("--weights", args.weights != "dense"),
+                                           ("--kv-cache-dtype", args.kv_cache_dtype != "auto")) if given]
+    if shape_only and not args.shapes:
+        ap.error(f"{', '.join(shape_only)} only act with --shapes N")
     args.long_prompts = [n for n in args.long_prompts if n > 0]
     return args
 

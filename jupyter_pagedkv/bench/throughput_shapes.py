@@ -98,10 +98,6 @@ def _configs(args, notes: list[str]) -> list[tuple[str, str, dict]]:
     configs = [(LIKE_FOR_LIKE, "dense", {})]
     options = {}
     if args.kv_cache_dtype != "auto":
-        from ..config import EngineConfig
-        if "kv_cache_dtype" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise SystemExit("--kv-cache-dtype needs the quantized KV cache (issue #37), which this build "
-                             "does not have: leave it at auto")
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.weights != "dense" or options:
         configs.append((f"{args.weights} weights, KV cache {args.kv_cache_dtype}", args.weights, options))
