@@ -61,7 +61,9 @@ def replay_in_sim(trace: Trace, arm: Arm, scale: SimScale, engine=None) -> ArmRe
     knobs.update({k: v for k, v in opts.items() if k in _SIM_KNOBS})
     tenants = tenant_specs(trace)
     if scale.model:
-        sim = Simulator.for_gpu(scale.model, scale.gpus[1], scale.gpus[0], block_size=bs, tenants=tenants, **knobs)
+        kv = opts.get("kv_cache_dtype", trace.header.config.get("kv_cache_dtype", "auto"))   # as recorded
+        sim = Simulator.for_gpu(scale.model, scale.gpus[1], scale.gpus[0], block_size=bs, kv_cache_dtype=kv,
+                                tenants=tenants, **knobs)
         clock, vocab = "s", MODELS[scale.model].vocab_size
     else:
         info = engine.info()

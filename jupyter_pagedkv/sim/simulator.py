@@ -70,9 +70,10 @@ class Simulator:
 
     @classmethod
     def for_gpu(cls, model: str = "Llama-3-70B", gpu: str = "H100-80GB", num_gpus: int = 4,
-                block_size: int = 16, **config) -> Simulator:
-        """A preset: the capacity planner sizes the KV pool, datasheet numbers price the steps."""
-        p = capacity_plan(model, gpu, num_gpus, block_size=block_size)
+                block_size: int = 16, kv_cache_dtype: str = "auto", **config) -> Simulator:
+        """A preset: the capacity planner sizes the KV pool (`kv_cache_dtype` as the engine's
+        option: a quantized cache holds ~twice the blocks), datasheet numbers price the steps."""
+        p = capacity_plan(model, gpu, num_gpus, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
         if not p.fits:
             raise ValueError(p.summary())
         shape = p.model
@@ -81,7 +82,8 @@ class Simulator:
             # As vLLM's default: 4 GiB of pinned host memory per GPU.
             config.setdefault("swap_blocks", int(4 * num_gpus * (1 << 30) // (p.kv_bytes_per_token * block_size)))
         cfg = SimConfig(num_blocks=p.tokens // block_size, block_size=block_size, **config)
-        return cls(cfg, ModelCost.of(shape), CostModel.for_gpu(gpu, num_gpus, num_layers=shape.num_layers))
+        return cls(cfg, ModelCost.of(shape, kv_cache_dtype=kv_cache_dtype),
+                   CostModel.for_gpu(gpu, num_gpus, num_layers=shape.num_layers))
 
     def run(self, requests: list[SimRequest], label: str = "", record_trace: bool = False) -> SimResult:
         cfg = self.config

@@ -144,6 +144,23 @@ def test_replay_table_equals_bench_tail_figures():
             (bench.throughput, bench.kv_utilisation, bench.max_concurrent, bench.num_preemptions)
 
 
+def test_a_trace_of_a_quantized_cache_replays_at_scale_with_that_cache():
+    """The trace's recorded kv_cache_dtype sizes the simulated pool (about twice the blocks)."""
+    from jupyter_pagedkv.sim import Simulator, synthetic
+
+    preset = dict(model="Llama-3-70B", gpu="H100-80GB", num_gpus=2, enable_prefix_caching=False)
+    plain, fp8 = Simulator.for_gpu(**preset), Simulator.for_gpu(kv_cache_dtype="fp8_e4m3", **preset)
+    assert fp8.config.num_blocks >= 1.9 * plain.config.num_blocks
+    assert fp8.model.kv_bytes_per_token < 0.6 * plain.model.kv_bytes_per_token
+    reqs = synthetic(30, "alpaca", rate=6.0, seed=2, vocab=128256, max_context=8192)
+    trace = trace_of(reqs, 16, config={"enable_prefix_caching": False, "kv_cache_dtype": "fp8_e4m3"})
+    arms = parse_vary(["allocator=contiguous"], EngineConfig())
+    row, = rows(replay(trace, arms, "sim", None, SimScale("Llama-3-70B", (2, "H100-80GB"))))
+    bench = Simulator.for_gpu(allocator="contiguous", kv_cache_dtype="fp8_e4m3", **preset).run(reqs).summary
+    assert (row["max concurrent"], row["preemptions"], row["KV util"]) == \
+        (bench.max_concurrent, bench.num_preemptions, bench.kv_utilisation)
+
+
 def test_replay_table_equals_bench_tenants_figures():
     from jupyter_pagedkv.sim.tenant_comparison import compare, sim_runs
     from jupyter_pagedkv.sim.tenant_workload import TenantMix, noisy_neighbour
