@@ -70,9 +70,10 @@ class EngineConfig:
                                   metavar="REV", loading=True)
     trust_remote_code: bool = option(False, "run the model repo's own Python code (only for repos "
                                             "you trust)", flag="--trust-remote-code", loading=True)
-    weights: str = option("dense", "a GGUF model's weights on the CPU: dense = dequantized into the dtype (the "
-                                   "exact reference); packed = kept in the file's Q4_0/Q4_1/Q8_0 blocks and "
-                                   "computed from them in fp32 (about the file's size in memory)",
+    weights: str = option("dense", "a GGUF model's weights: dense = dequantized into the dtype (the exact "
+                                   "reference); packed = kept in the file's Q4_0/Q4_1/Q8_0 blocks and computed "
+                                   "from them (about the file's size in memory): in fp32 on the CPU, in bf16, "
+                                   "fp16 or fp32 on CUDA (a Triton GEMM)",
                           choices=("dense", "packed"), loading=True)
     block_size: int = option(16, "tokens per KV block", metavar="N")
     num_blocks: int | None = option(None, "KV blocks to allocate (default: from the KV memory; "

@@ -7,7 +7,8 @@ turns each launch's arguments into the signature, constexprs and specialisation 
 JIT would compile -- so the check cannot drift from the launchers. Launches whose binder key is
 equal are the same compiled kernel (Triton's cache would reuse it), so each key compiles once.
 
-Per variant: registers and spill bytes (stack frame + local memory per thread, from
+The GGUF block GEMM (`quant_matmul.py`, weights="packed" on CUDA) adds its own variants, the
+same for every model. Per variant: registers and spill bytes (stack frame + local memory per thread, from
 `cuobjdump -res-usage` on the cubin) and shared memory (`metadata.shared`, what Triton checks
 against the device at load time). Fails on a compile error, any spill, or shared memory above the
 target's per-block opt-in limit.
@@ -32,6 +33,7 @@ import torch
 import triton
 
 from .paged_attention import MAX_SPLITS, choose_num_splits, launch_config
+from .quant_matmul import variant_launches as quant_matmul_variants
 from .variants import AttentionShape, model_launches
 
 # Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -207,6 +209,8 @@ def distinct_launches(models, arch: int) -> list[tuple[object, list[str]]]:
                 entry = seen.setdefault(key, (launch, []))
                 if model.name not in entry[1]:
                     entry[1].append(model.name)
+    for launch in quant_matmul_variants("meta"):         # weights="packed" on CUDA: any model's GGUF blocks
+        seen.setdefault(_binding(launch, target)[0], (launch, ["GGUF blocks"]))
     return list(seen.values())
 
 

@@ -15,7 +15,7 @@ def served_as(model, config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     a device, dtype or weights option that contradicts it (options that act when loading, which
     `Engine.from_pretrained` honours) is one line, rather than a config that describes another engine."""
     from ..worker.loader import choose_dtype
-    from ..worker.quant_linear import QuantEmbedding, QuantLinear
+    from ..worker.quant_linear import PACKED_LAYERS
 
     first = next(model.parameters())
     device, dtype = first.device, first.dtype
@@ -26,7 +26,7 @@ def served_as(model, config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     if config.dtype != "auto" and choose_dtype(device, config.dtype).dtype != dtype:
         raise ValueError(f"dtype={config.dtype!r}, but the model passed in holds {str(dtype).replace('torch.', '')}: "
                          f"load it with Engine.from_pretrained(..., dtype={config.dtype!r}) or convert it first")
-    if config.weights == "packed" and not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
+    if config.weights == "packed" and not any(isinstance(m, PACKED_LAYERS) for m in model.modules()):
         raise ValueError("weights='packed', but the model passed in holds dense weights: packed weights are "
                          "read from a GGUF file by Engine.from_pretrained(path_or_None, weights='packed')")
     return device, dtype

@@ -39,6 +39,9 @@ def preflight(model: str | None, device: str, dtype: str, revision: str | None =
     still happen while loading."""
     from ..worker.loader import check_packed, choose_dtype, embedded_gguf, locate
 
+    import torch
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here; use --device cpu or auto")
     if weights == "packed":
         check_packed(model, device, dtype)
         return
@@ -46,9 +49,6 @@ def preflight(model: str | None, device: str, dtype: str, revision: str | None =
         embedded_gguf()
     else:
         locate(model, revision, trust_remote_code)
-    import torch
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device here; use --device cpu or auto")
     if dtype != "auto":
         choose_dtype(device, dtype)          # the loader's own check, and its wording
 

@@ -2,17 +2,20 @@
 
 Why: transformers' GGUF support dequantizes every tensor to fp32 (the embedded 98 MB Q4_1 file
 becomes 540 MB); here each projection, the embedding and the (tied) output layer keep the file's
-own blocks and compute from them (quant_linear.py). Norms are F32 in the file and stay so.
+own blocks and compute from them: on the CPU in fp32 through the C++ kernels (quant_linear.py), on
+CUDA in the model's dtype through the Triton GEMM (quant_linear_cuda.py). Norms are F32 in the file
+and take the model's dtype (fp32 on the CPU), as transformers' dequantized model holds them.
 
 How: the model's skeleton is built from the file's config on the meta device (no fp32 weights are
 ever allocated), then every GGUF tensor is put in its module: a supported block type as a
-QuantLinear / QuantEmbedding over a copy of its bytes, F32/F16 as a parameter. Like transformers,
+packed layer over a copy of its bytes, F32/F16 as a parameter. Like transformers,
 q and k rows are un-permuted (llama.cpp's converter interleaves each head's rotary halves); a row
 permutation moves whole rows of blocks, so it is exact on the packed form.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from .quant_linear import SUPPORTED, QuantEmbedding, QuantLinear, block_kind, stack_siblings
+from .quant_linear_cuda import CudaQuantEmbedding, CudaQuantLinear
 
 ARCHITECTURES = ("llama",)
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -65,16 +69,18 @@ def check_packable(path: Path):
     return reader
 
 
-def load_packed_model(path: Path, metadata: Path):
+def load_packed_model(path: Path, metadata: Path, place: Place | None = None):
     """(model, tokenizer) of a Llama-architecture GGUF file, weights packed; `metadata` is a folder
-    with the file's config and tokenizer (loader.gguf_metadata_dir). Bad input is one line."""
+    with the file's config and tokenizer (loader.gguf_metadata_dir); `place` (default: the CPU in
+    fp32) where they compute. Bad input is one line."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    place = place or Place()
     reader = check_packable(path)
     config = AutoConfig.from_pretrained(metadata, local_files_only=True)
-    config.dtype = torch.float32
+    config.dtype = place.dtype
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=place.dtype)
     base = model.model
     # The rotary frequencies are a computed buffer: compute them for real.
     base.rotary_emb = type(base.rotary_emb)(config=config)
@@ -87,7 +93,7 @@ def load_packed_model(path: Path, metadata: Path):
             layer = base.layers[int(match.group(1))]
             part = match.group(2)
             if part in _NORMS:
-                _set_parameter(layer.get_submodule(_NORMS[part]), "weight", data)
+                _set_parameter(layer.get_submodule(_NORMS[part]), "weight", data, place)
                 continue
             if part in _PROJECTIONS:
                 bias = tensors.get(name[:-6] + "bias")
@@ -96,25 +102,23 @@ def load_packed_model(path: Path, metadata: Path):
                     n = heads if part == "attn_q" else kv_heads
                     data = _unpermute_rows(data, n)
                     bias = None if bias is None else _unpermute_rows(bias, n)
-                _set_linear(layer, _PROJECTIONS[part], data, t, bias)
+                _set_linear(layer, _PROJECTIONS[part], data, t, bias, place)
                 continue
         elif match:
             continue                               # biases are taken with their weight
         elif name == "token_embd.weight":
-            base.embed_tokens = _embedding(data, t)
+            base.embed_tokens = _embedding(data, t, place)
         elif name == "output_norm.weight":
-            _set_parameter(base.norm, "weight", data)
+            _set_parameter(base.norm, "weight", data, place)
         elif name == "output.weight":
-            model.lm_head = _linear(data, t, None)
+            model.lm_head = _linear(data, t, None, place)
         elif name == "rope_freqs.weight":
             apply_rope_factors(base.rotary_emb, data)
     if "output.weight" not in tensors:             # tied: the output layer reads the embedding's blocks
-        emb = base.embed_tokens
-        if not isinstance(emb, QuantEmbedding):
-            raise ValueError(f"{path.name}: a tied output layer over an unpacked embedding: use weights='dense'")
-        model.lm_head = QuantLinear(emb.blocks, emb.type_name, emb.embedding_dim, already_interleaved=True)
+        model.lm_head = _tied_output(base.embed_tokens, path.name, place)
     del reader, tensors                            # closes the file's memory map
-    for layer in base.layers:                      # q/k/v and gate/up: one kernel call each
+    base.rotary_emb.to(place.device)
+    for layer in base.layers if not place.triton else ():   # q/k/v and gate/up: one C++ kernel call each
         attn, mlp = layer.self_attn, layer.mlp
         stack_siblings([attn.q_proj, attn.k_proj, attn.v_proj])
         stack_siblings([mlp.gate_proj, mlp.up_proj])
@@ -131,7 +135,7 @@ def apply_rope_factors(rotary: nn.Module, factors: np.ndarray) -> None:
     """Divide each rotary frequency by its factor from the file's `rope_freqs` (as llama.cpp does:
     Llama 3.1+ rope scaling). transformers' GGUF loader reads neither the tensor nor the scaling
     keys, so a dense load of such a file rotates with the unscaled frequencies."""
-    factors = torch.from_numpy(np.asarray(factors, dtype=np.float32).reshape(-1))   # host: packed weights are CPU-only
+    factors = torch.from_numpy(np.asarray(factors, dtype=np.float32).reshape(-1))   # host: the rotary table is built there
     if factors.shape != rotary.inv_freq.shape:
         raise ValueError(f"rope_freqs holds {factors.numel()} factors for {rotary.inv_freq.numel()} rotary "
                          f"frequencies: load the file with weights='dense'")
@@ -139,34 +143,61 @@ def apply_rope_factors(rotary: nn.Module, factors: np.ndarray) -> None:
     rotary.original_inv_freq = rotary.inv_freq.clone()
 
 
-def _set_parameter(module: nn.Module, name: str, data: np.ndarray) -> None:
-    value = torch.from_numpy(data.astype(np.float32))   # host: packed weights are CPU-only
-    setattr(module, name, nn.Parameter(value, requires_grad=False))
+@dataclass(frozen=True)
+class Place:
+    """Where the model's tensors go: the CPU in fp32 with the C++ kernels, or (`triton`) CUDA in
+    the model's dtype with the Triton GEMM; `triton` on the CPU runs it under the interpreter."""
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    triton: bool = False
+
+    def tensor(self, data: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(data.astype(np.float32)).to(self.device, self.dtype)   # host: then moved
 
 
-def _linear(data: np.ndarray, t, bias: np.ndarray | None) -> nn.Module:
-    """A QuantLinear over the tensor's blocks, or a plain fp32 Linear for an F32/F16 tensor."""
-    b = None if bias is None else torch.from_numpy(bias)   # host: packed weights are CPU-only
+def _set_parameter(module: nn.Module, name: str, data: np.ndarray, place: Place) -> None:
+    setattr(module, name, nn.Parameter(place.tensor(data), requires_grad=False))
+
+
+def _linear(data: np.ndarray, t, bias: np.ndarray | None, place: Place) -> nn.Module:
+    """A packed layer over the tensor's blocks, or a plain Linear for an F32/F16 tensor."""
+    b = None if bias is None else place.tensor(bias)
     if t.tensor_type.name in _PLAIN:
-        w = torch.from_numpy(data.astype(np.float32))   # host: packed weights are CPU-only
-        layer = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        w = place.tensor(data)
+        layer = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=place.device, dtype=place.dtype)
         with torch.no_grad():
             layer.weight.copy_(w)
             if b is not None:
                 layer.bias.copy_(b)
         return layer.requires_grad_(False)
-    return QuantLinear(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]), b)   # host: packed weights are CPU-only
+    rows = torch.from_numpy(data)   # host: the file's bytes, moved by the layer
+    if place.triton:
+        return CudaQuantLinear(rows, t.tensor_type.name, int(t.shape[0]), b, place.device, place.dtype)
+    return QuantLinear(rows, t.tensor_type.name, int(t.shape[0]), b)
 
 
-def _set_linear(layer: nn.Module, path: str, data: np.ndarray, t, bias: np.ndarray | None) -> None:
+def _set_linear(layer: nn.Module, path: str, data: np.ndarray, t, bias: np.ndarray | None, place: Place) -> None:
     parent, _, leaf = path.rpartition(".")
-    setattr(layer.get_submodule(parent), leaf, _linear(data, t, bias))
+    setattr(layer.get_submodule(parent), leaf, _linear(data, t, bias, place))
 
 
-def _embedding(data: np.ndarray, t) -> nn.Module:
+def _embedding(data: np.ndarray, t, place: Place) -> nn.Module:
     if t.tensor_type.name in _PLAIN:
-        return nn.Embedding.from_pretrained(torch.from_numpy(data.astype(np.float32)), freeze=True)   # host: packed weights are CPU-only
-    return QuantEmbedding(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]))   # host: packed weights are CPU-only
+        return nn.Embedding.from_pretrained(place.tensor(data), freeze=True)
+    rows = torch.from_numpy(data)   # host: the file's bytes, moved by the layer
+    if place.triton:
+        return CudaQuantEmbedding(rows, t.tensor_type.name, int(t.shape[0]), place.device, place.dtype)
+    return QuantEmbedding(rows, t.tensor_type.name, int(t.shape[0]))
+
+
+def _tied_output(emb: nn.Module, name: str, place: Place) -> nn.Module:
+    """The output layer over the embedding's blocks (one copy)."""
+    if isinstance(emb, CudaQuantEmbedding):
+        return CudaQuantLinear(None, emb.type_name, emb.embedding_dim, None, place.device, place.dtype, share=emb)
+    if not isinstance(emb, QuantEmbedding):
+        raise ValueError(f"{name}: a tied output layer over an unpacked embedding: use weights='dense'")
+    return QuantLinear(emb.blocks, emb.type_name, emb.embedding_dim, already_interleaved=True)
 
 
 def supported_types() -> str:

@@ -153,22 +153,30 @@ def load_model(model: str | os.PathLike | None, dtype, device, revision: str | N
 
 
 def _load_packed(model: str | os.PathLike | None, dtype, device) -> LoadedModel:
-    """The embedded model's or a `.gguf` file's weights kept packed, fp32 activations on the CPU."""
-    from .gguf_packed import check_packable, load_packed_model
+    """The embedded model's or a `.gguf` file's weights kept packed: fp32 activations on the CPU
+    (C++ kernels), the model's dtype on CUDA (Triton; bf16 when none is given)."""
+    import torch
+
+    from .gguf_packed import Place, check_packable, load_packed_model
 
     check_packed_device(device, dtype)
     path = packed_path(model)
     check_packable(path)                 # the file's own header: before transformers parses its metadata
-    hf_model, tokenizer = load_packed_model(path, gguf_metadata_dir(path))
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    place = Place(dev, dtype or (torch.bfloat16 if cuda else torch.float32), triton=cuda)
+    hf_model, tokenizer = load_packed_model(path, gguf_metadata_dir(path), place)
     return LoadedModel(hf_model, tokenizer, EMBEDDED_NAME if model is None else str(model), "gguf")
 
 
 def check_packed_device(device, dtype) -> None:
-    """Packed weights compute in fp32 on the CPU: anything else asked for is one line."""
+    """Packed weights compute in fp32 on the CPU, in bf16, fp16 or fp32 on CUDA: anything else is one line."""
     import torch
-    if torch.device(device).type != "cpu" or dtype not in (None, torch.float32):
-        raise ValueError(f"weights='packed' computes in float32 on the CPU (asked: {device}, {dtype}): pass "
-                         f"device='cpu' and dtype='float32' (or leave them auto), or use weights='dense'")
+    kind = torch.device(device).type
+    if kind == "cuda" or (kind == "cpu" and dtype in (None, torch.float32)):
+        return
+    raise ValueError(f"weights='packed' computes in float32 on the CPU or on CUDA (asked: {device}, {dtype}): pass "
+                     f"device='cpu' and dtype='float32' (or leave them auto), or use weights='dense'")
 
 
 def check_packed(model: str | os.PathLike | None, device: str = "auto", dtype: str = "auto") -> None:
@@ -301,16 +309,18 @@ def checkpoint_dtype(folder: Path):
 
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto", weights: str = "dense"):
     """("auto" | "cpu" | "cuda:1" ..., "auto" | "bfloat16" ..., "dense" | "packed") ->
-    (torch.device, DtypeChoice). Packed weights make "auto" mean the CPU and fp32, the only place
-    and dtype they compute in; a device or dtype asked for elsewhere is refused, not changed."""
+    (torch.device, DtypeChoice). With packed weights an "auto" dtype is fp32 on the CPU (the only
+    dtype its kernels compute in, whatever the CPU's bf16) and bf16 on CUDA; a dtype asked for
+    that the device cannot compute packed is refused, not changed."""
     import torch
 
-    if weights == "packed":
-        dev = torch.device("cpu" if device == "auto" else device)
-        choice = (DtypeChoice(torch.float32, "auto: packed GGUF weights compute in float32 on the CPU")
-                  if dtype == "auto" else choose_dtype(dev, dtype))
-        check_packed_device(dev, choice.dtype)
-        return dev, choice
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                        else ("cpu" if device == "auto" else device))
-    return dev, choose_dtype(dev, dtype)
+    if weights == "packed" and dtype == "auto":
+        choice = (DtypeChoice(torch.bfloat16, "auto: packed GGUF weights on a GPU compute in bf16") if dev.type == "cuda"
+                  else DtypeChoice(torch.float32, "auto: packed GGUF weights compute in float32 on the CPU"))
+    else:
+        choice = choose_dtype(dev, dtype)
+    if weights == "packed":
+        check_packed_device(dev, choice.dtype)
+    return dev, choice

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import format_bytes
 from .native_build import LazyModule
+from .quant_linear_cuda import CudaQuantEmbedding, CudaQuantLinear
 
 # GGML's type numbers and bytes per block of 32 weights.
 SUPPORTED: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
@@ -177,6 +178,11 @@ def packed_bytes(model: nn.Module) -> int:
     return total
 
 
+def block_bytes(layer: nn.Module) -> int:
+    """The bytes a packed layer's weight takes (on CUDA: codes, scales and minimums apart)."""
+    return sum(t.nbytes for t in (layer.codes, layer.scales, layer.mins)) if hasattr(layer, "codes") else layer.blocks.nbytes
+
+
 def logical_parameters(model: nn.Module) -> tuple[int, int]:
     """(parameters as the dense model counts them, of which in GGUF blocks): a packed layer's
     weight is a uint8 buffer, not a parameter, so `model.parameters()` alone leaves it out. A
@@ -184,17 +190,21 @@ def logical_parameters(model: nn.Module) -> tuple[int, int]:
     dense = sum(p.numel() for p in model.parameters())
     seen, packed = set(), 0
     for m in model.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.blocks.data_ptr() not in seen:
+        if isinstance(m, PACKED_LAYERS) and m.blocks.data_ptr() not in seen:
             seen.add(m.blocks.data_ptr())
-            packed += m.blocks.shape[0] * (m.in_features if isinstance(m, QuantLinear) else m.embedding_dim)
+            packed += m.blocks.shape[0] * (m.in_features if hasattr(m, "in_features") else m.embedding_dim)
     return dense + packed, packed
 
 
 def describe_blocks(model: nn.Module) -> str | None:
     """'weights in GGUF blocks (Q4_1, Q8_0; 92.10 MiB)' for a model with packed layers, else None."""
-    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    layers = [m for m in model.modules() if isinstance(m, PACKED_LAYERS)]
     if not layers:
         return None
     kinds = sorted({m.type_name for m in layers})
-    unique = {m.blocks.data_ptr(): m.blocks.nbytes for m in layers}
+    unique = {m.blocks.data_ptr(): block_bytes(m) for m in layers}
     return f"weights in GGUF blocks ({', '.join(kinds)}; {format_bytes(sum(unique.values()))})"
+
+
+# Every layer that computes from GGUF blocks: the CPU's (C++) and CUDA's (Triton).
+PACKED_LAYERS = (QuantLinear, QuantEmbedding, CudaQuantLinear, CudaQuantEmbedding)

@@ -261,18 +261,20 @@ def test_packed_weights_need_fp32_on_the_cpu():
         load_model(None, torch.bfloat16, torch.device("cpu"), weights="packed")
 
 
-def test_auto_means_the_cpu_and_fp32_for_packed_weights_wherever_a_gpu_or_native_bf16_is(monkeypatch):
-    """"auto" elsewhere picks CUDA or bf16; with packed weights it picks where they compute, and
-    only a device or dtype the user asked for is refused."""
+def test_auto_dtype_for_packed_weights_is_what_their_kernels_compute_in(monkeypatch):
+    """On the CPU fp32 (the C++ kernels' only dtype) even where "auto" elsewhere picks bf16; on
+    CUDA bf16 (the Triton GEMM's); a dtype the device cannot compute packed is refused."""
     from jupyter_pagedkv.worker import loader
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(loader, "native_bf16", lambda: "AMX")
-    assert loader.resolve_device_dtype("auto", "auto")[0].type == "cuda"          # dense: as before
-    dev, choice = loader.resolve_device_dtype("auto", "auto", "packed")
+    assert loader.resolve_device_dtype("cpu", "auto")[1].dtype == torch.bfloat16       # dense: as before
+    dev, choice = loader.resolve_device_dtype("cpu", "auto", "packed")
     assert (dev.type, choice.dtype) == ("cpu", torch.float32) and "packed GGUF weights" in choice.reason
-    for device, dtype in (("cuda", "auto"), ("auto", "bfloat16")):
-        with pytest.raises(ValueError, match=r"^weights='packed' computes in float32 on the CPU"):
-            loader.resolve_device_dtype(device, dtype, "packed")
+    with pytest.raises(ValueError, match=r"^weights='packed' computes in float32 on the CPU or on CUDA"):
+        loader.resolve_device_dtype("cpu", "bfloat16", "packed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dev, choice = loader.resolve_device_dtype("auto", "auto", "packed")
+    assert (dev.type, choice.dtype) == ("cuda", torch.bfloat16)
+    assert loader.resolve_device_dtype("cuda", "float16", "packed")[1].dtype == torch.float16
 
 
 def test_a_bad_gguf_file_is_refused_before_transformers_reads_its_metadata(tmp_path, monkeypatch):

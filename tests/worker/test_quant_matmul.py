@@ -1,0 +1,107 @@
+"""weights="packed" on CUDA: GGUF blocks through the Triton GEMM (kernels/quant_matmul.py) and the
+CUDA packed layers (worker/quant_linear_cuda.py), run here in Triton's interpreter on CPU tensors
+(`PAGEDKV_KERNEL_TEST_DEVICE=cuda`: natively on a GPU, as the GPU check's kernel_tests part runs
+them), against the blocks' values by the format's definition (written here in numpy; the GPU image has no
+gguf package). gguf-py's own files and transformers' dequantized model: test_gguf_packed_cuda.py.
+
+Tolerances, and why. Each weight the kernel builds is exact in fp32 (an fp16 scale times a 4- or
+8-bit code), rounded to the activations' dtype as the dequantized model holds it; only the GEMM's
+summation order differs from torch's: fp32 (IEEE products) ~1e-6 relative, hence 1e-4 on unit
+data; bf16 / fp16 outputs round once more at the end, so one unit in the last place of the
+output's dtype (rtol 2^-7 / 2^-10)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from jupyter_pagedkv.worker.kernels_bridge import kernel_module
+
+DEVICE = torch.device(os.environ.get("PAGEDKV_KERNEL_TEST_DEVICE", "cpu"))
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+ATOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def qm():
+    return kernel_module("quant_matmul")
+
+
+def file_rows(shape: tuple[int, int], type_name: str, seed: int = 0):
+    """(valid GGUF rows of random blocks, the fp32 weight they stand for): Q4_0 d * (q - 8), Q4_1
+    d * q + m, Q8_0 d * q; a Q4 block's byte j holds weight j (low nibble) and j + 16 (high)."""
+    g = np.random.default_rng(seed)
+    n, nb = shape[0], shape[1] // 32
+    d = (g.random((n, nb)) * 0.1 + 0.01).astype(np.float16)
+    head = [d.view(np.uint8).reshape(n, nb, 2)]
+    if type_name == "Q8_0":
+        q = g.integers(-127, 128, (n, nb, 32)).astype(np.int8)
+        quants, w = q.view(np.uint8), d.astype(np.float32)[..., None] * q
+    else:
+        q = g.integers(0, 16, (n, nb, 32)).astype(np.uint8)
+        quants = q[..., :16] | (q[..., 16:] << 4)
+        w = d.astype(np.float32)[..., None] * (q.astype(np.float32) - (8 if type_name == "Q4_0" else 0))
+        if type_name == "Q4_1":
+            m = (g.standard_normal((n, nb)) * 0.1).astype(np.float16)
+            head.append(m.view(np.uint8).reshape(n, nb, 2))
+            w = w + m.astype(np.float32)[..., None]
+    rows = np.concatenate(head + [quants], axis=-1).reshape(n, -1)
+    return torch.from_numpy(rows), torch.from_numpy(w.reshape(shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_split_blocks_keep_the_files_bytes_and_dequantize_by_the_format(qm, type_name):
+    rows, plain = file_rows((40, 96), type_name)
+    codes, scales, mins = qm.split_blocks(rows, type_name)
+    assert codes.nbytes + scales.nbytes + mins.nbytes == rows.nbytes          # moved, nothing added
+    assert torch.equal(qm.dequantize(codes, scales, mins, type_name), plain)  # bit for bit
+    assert (codes.dtype, scales.dtype) == (torch.int8 if type_name == "Q8_0" else torch.uint8, torch.float16)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_the_kernel_equals_the_dequantized_weights_gemm(qm, type_name, dtype, rows):
+    """72 outputs and 96 inputs: a partial tile of features and of inputs (64 + 32) both ways."""
+    blocks, plain = file_rows((72, 96), type_name, seed=rows)
+    codes, scales, mins = (t.to(DEVICE) for t in qm.split_blocks(blocks, type_name))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    bias = torch.randn(72, generator=g).to(dtype)
+    for b in (None, bias):
+        out = qm.quant_matmul(x.to(DEVICE), codes, scales, mins, type_name, None if b is None else b.to(DEVICE)).cpu()
+        want = x.float() @ plain.to(dtype).float().T + (0 if b is None else b.float())
+        assert out.dtype == dtype and out.shape == (rows, 72)
+        torch.testing.assert_close(out.float(), want.to(dtype).float(), rtol=RTOL[dtype], atol=ATOL[dtype])
+    strided = torch.randn(rows, 2, 96, generator=g).to(dtype)[:, 0]        # rows 192 apart: read in place
+    torch.testing.assert_close(qm.quant_matmul(strided.to(DEVICE), codes, scales, mins, type_name).cpu().float(),
+                               (strided.float() @ plain.to(dtype).float().T).to(dtype).float(),
+                               rtol=RTOL[dtype], atol=ATOL[dtype])
+
+
+def test_a_type_or_shape_it_cannot_compute_is_one_line(qm):
+    rows, _ = file_rows((8, 64), "Q4_1")
+    with pytest.raises(ValueError, match=r"^GGUF blocks on CUDA: Q4_0, Q4_1, Q8_0, not Q6_K: load with weights='dense'$"):
+        qm.split_blocks(rows, "Q6_K")
+    codes, scales, mins = qm.split_blocks(rows, "Q4_1")
+    with pytest.raises(ValueError, match="blocks of 64 inputs"):
+        qm.quant_matmul(torch.randn(2, 96), codes, scales, mins, "Q4_1")
+
+
+def test_bf16_layers_hold_the_dequantized_models_bf16_values():
+    """On a GPU the activations are bf16: the kernel rounds each weight to bf16 as transformers'
+    dequantized bf16 model stores it, and norms and embedding rows are that model's."""
+    from jupyter_pagedkv.worker.quant_linear_cuda import CudaQuantEmbedding, CudaQuantLinear
+    rows, plain = file_rows((64, 128), "Q4_1")
+    layer = CudaQuantLinear(rows, "Q4_1", 128, None, DEVICE, torch.bfloat16)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x.to(DEVICE)).cpu().float(), (x.float() @ plain.to(torch.bfloat16).float().T).to(torch.bfloat16).float(),
+                               rtol=RTOL[torch.bfloat16], atol=ATOL[torch.bfloat16])
+    table = CudaQuantEmbedding(rows, "Q4_1", 128, DEVICE, torch.bfloat16)
+    ids = torch.tensor([[3, 0, 63]])
+    assert torch.equal(table(ids.to(DEVICE)).cpu(), plain.to(torch.bfloat16)[ids])
+    with pytest.raises(RuntimeError, match=f"blocks are on {DEVICE.type}.*; it got an input on meta"):
+        layer(torch.empty(2, 128, device="meta"))
