@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "remote": {"core", "engine", "protocol", "monitor", "widgets", "worker.loader"},
     "sim": {"core", "config", "engine", "protocol", "widgets"},
     "notebook": {"core", "config", "engine", "protocol", "monitor", "widgets", "remote", "sim", *HOST},
-    "testing": {"core", "config", "engine", "worker.kv_cache", *HOST},
+    "testing": {"core", "config", "engine", "worker.kv_cache", "worker.quant_linear_cuda", *HOST},
     "gpucheck": {"core", "config", "engine", "testing", "kernels", "worker.compat", "worker.step_timing",
                  "worker.kernels_bridge"},
     "bench": {"core", "config", "engine", "protocol", "sim", "widgets", "notebook", "testing", "gpucheck",

@@ -135,11 +135,9 @@ def run_pytest(report: Report, tests: list[str], extra_env: dict[str, str] | Non
 
 
 def kernel_tests(report: Report, smoke: bool) -> None:
-    # the model-dtype cache's kernels, then a quantized cache's (fp8 e4m3 and int8 codes),
-    # ... and the GGUF block GEMM of weights="packed" (with the embedded model's layers against transformers)
+    # the model-dtype cache's kernels, then a quantized cache's (fp8 e4m3 and int8 codes)
     code = run_pytest(report, [str(REPO / "tests" / "worker" / name) for name in ("test_kernels.py",
-                                                                                 "test_kernels_quant.py",
-                                                                                 "test_quant_matmul.py")],
+                                                                                 "test_kernels_quant.py")],
                       {"PAGEDKV_KERNEL_TEST_DEVICE": device().type})
     from .report import fold
     tests = fold(report.events, {}).get(report.part, {}).get("rows", {}).get("tests", [])

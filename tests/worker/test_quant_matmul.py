@@ -1,7 +1,6 @@
 """weights="packed" on CUDA: GGUF blocks through the Triton GEMM (kernels/quant_matmul.py) and the
 CUDA packed layers (worker/quant_linear_cuda.py), run here in Triton's interpreter on CPU tensors
-(`PAGEDKV_KERNEL_TEST_DEVICE=cuda`: natively on a GPU, as the GPU check's kernel_tests part runs
-them), against the blocks' values by the format's definition (written here in numpy; the GPU image has no
+(`PAGEDKV_KERNEL_TEST_DEVICE=cuda`: natively on a GPU; docs/kernels.md has the command), against the blocks' values by the format's definition (written here in numpy; the GPU image has no
 gguf package). gguf-py's own files and transformers' dequantized model: test_gguf_packed_cuda.py.
 
 Tolerances, and why. Each weight the kernel builds is exact in fp32 (an fp16 scale times a 4- or
@@ -105,3 +104,23 @@ def test_bf16_layers_hold_the_dequantized_models_bf16_values():
     assert torch.equal(table(ids.to(DEVICE)).cpu(), plain.to(torch.bfloat16)[ids])
     with pytest.raises(RuntimeError, match=f"blocks are on {DEVICE.type}.*; it got an input on meta"):
         layer(torch.empty(2, 128, device="meta"))
+
+
+@pytest.mark.parametrize("arch, type_name", [("llama", "Q4_1"), ("llama", "Q8_0"), ("qwen2", "Q4_0")])  # qwen2: q/k/v biases
+def test_an_engine_on_packed_layers_equals_transformers_on_their_dense_twin(arch, type_name, make_engine):
+    """A whole engine (Triton attention, the packed layers in every projection and the output
+    layer) against transformers' generate on the same model holding the blocks' values densely:
+    fp32, so token-identical but for a near-tie (the oracle's top-2 gap under 1e-3)."""
+    from conftest import compare_with_oracle, hf_greedy, tiny_model
+    from jupyter_pagedkv import SamplingParams
+    from jupyter_pagedkv.testing.gguf_blocks import packed_twins
+    from jupyter_pagedkv.testing.models import random_prompts
+    dense, packed = packed_twins(tiny_model(arch).to(DEVICE), type_name)
+    engine = make_engine(packed, attention_backend="triton", pack_weights=False, kv_cache_memory="8MiB")
+    assert f"weights in GGUF blocks ({type_name}; " in engine.info().summary
+    prompts = random_prompts(3, 256, seed=5, lo=2, hi=24)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.check_invariants()
+    for prompt, out in zip(prompts, outs):
+        found = compare_with_oracle(dense, prompt, out.token_ids, hf_greedy(dense, prompt, 8, stop_at_eos=False))
+        assert found.identical or found.near_tie(1e-3), found
