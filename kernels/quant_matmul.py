@@ -4,8 +4,9 @@ tile by tile in registers (weights="packed" on a GPU; the CPU computes them in C
 Layout. A GGUF row is a run of blocks of 32 weights: an fp16 scale d (Q4_1 also an fp16 minimum
 m) then the quants (Q4: 16 bytes, weight j in the low nibble of byte j and weight j + 16 in its
 high nibble; Q8_0: 32 int8). `split_blocks` makes three plain tensors of one row's blocks at load:
-`codes` (uint8 [N, K / 2] for Q4, int8 [N, K] for Q8_0), `scales` and `mins` (fp16 [N, K / 32];
-`mins` empty but for Q4_1), so a tile's loads are contiguous; the bytes are the file's, moved.
+`codes` (uint8 [N, K / 2] for Q4, int8 [N, K] for Q8_0), `scales` and `mins` (the fp16 values'
+bits as int16 [N, K / 32], so that `model.to(dtype)` cannot re-round them as it would float
+buffers; `mins` empty but for Q4_1), so a tile's loads are contiguous; the bytes are the file's, moved.
 
 Values. A weight is d * (q - 8) (Q4_0), d * q + m (Q4_1) or d * q (Q8_0), computed in fp32: d
 has 11 significant bits and q at most 8, so every product is exact in fp32 and each weight is
@@ -33,8 +34,8 @@ def split_blocks(rows: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torc
     kind, size, head = BLOCKS[type_name]
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, size)
-    scales = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
-    mins = (blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, -1) if kind == 1
+    scales = blocks[..., 0:2].contiguous().view(torch.int16).reshape(n, -1)        # fp16 bits
+    mins = (blocks[..., 2:4].contiguous().view(torch.int16).reshape(n, -1) if kind == 1
             else scales.new_empty(0))
     codes = blocks[..., head:].reshape(n, -1)
     return codes.contiguous().view(torch.int8) if kind == 2 else codes.contiguous(), scales, mins
@@ -50,9 +51,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, ty
     else:
         b = codes.reshape(n, -1, 16)
         q = torch.cat([b & 15, b >> 4], dim=-1).float()         # weights j and j + 16 of each block
-    w = scales.float().unsqueeze(-1) * (q - 8 if kind == 0 else q)
+    w = scales.view(torch.float16).float().unsqueeze(-1) * (q - 8 if kind == 0 else q)
     if kind == 1:
-        w = w + mins.float().unsqueeze(-1)
+        w = w + mins.view(torch.float16).float().unsqueeze(-1)
     return w.reshape(n, -1)
 
 
@@ -65,7 +66,7 @@ def _round_to_bf16(v):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # the step's row count: one compiled kernel per tile, not per M
 def _quant_matmul(x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_out,
                   KIND: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -91,11 +92,11 @@ def _quant_matmul(x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, M, 
                            mask=w_ok, other=0).to(tl.int32)
             q = tl.where((rk % 32 >= 16)[:, None], byte >> 4, byte & 15).to(tl.float32)
         block = rn64[None, :] * (K // 32) + (rk // 32)[:, None]
-        d = tl.load(scales_ptr + block, mask=w_ok, other=0.0).to(tl.float32)
+        d = tl.load(scales_ptr + block, mask=w_ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
         if KIND == 0:
             w = d * (q - 8.0)
         elif KIND == 1:
-            w = d * q + tl.load(mins_ptr + block, mask=w_ok, other=0.0).to(tl.float32)
+            w = d * q + tl.load(mins_ptr + block, mask=w_ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
         else:
             w = d * q
         if x.dtype == tl.bfloat16:
@@ -174,10 +175,10 @@ def variant_launches(device: torch.device | str = "meta", *, interpreted: bool |
     k, n = 64, 64
     for type_name, (kind, _, _) in BLOCKS.items():
         codes = torch.empty(n, k if kind == 2 else k // 2, dtype=torch.int8 if kind == 2 else torch.uint8, device=device)
-        scales = torch.empty(n, k // 32, dtype=torch.float16, device=device)
+        scales = torch.empty(n, k // 32, dtype=torch.int16, device=device)
         mins = scales if kind == 1 else scales.new_empty(0)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for rows in (2, 100):
+            for rows in (2, 100):     # M is not specialised: these stand for every decode and prefill count
                 for bias in (None, torch.empty(n, dtype=dtype, device=device)):
                     x = torch.empty(rows, k, dtype=dtype, device=device)
                     out = torch.empty(rows, n, dtype=dtype, device=device)

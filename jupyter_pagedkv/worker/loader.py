@@ -173,10 +173,12 @@ def check_packed_device(device, dtype) -> None:
     """Packed weights compute in fp32 on the CPU, in bf16, fp16 or fp32 on CUDA: anything else is one line."""
     import torch
     kind = torch.device(device).type
-    if kind == "cuda" or (kind == "cpu" and dtype in (None, torch.float32)):
+    if (kind == "cpu" and dtype in (None, torch.float32)) or \
+            (kind == "cuda" and dtype in (None, torch.bfloat16, torch.float16, torch.float32)):
         return
-    raise ValueError(f"weights='packed' computes in float32 on the CPU or on CUDA (asked: {device}, {dtype}): pass "
-                     f"device='cpu' and dtype='float32' (or leave them auto), or use weights='dense'")
+    raise ValueError(f"weights='packed' computes in float32 on the CPU, in bfloat16, float16 or float32 on CUDA "
+                     f"(asked: {device}, {dtype}): pass one of those (or leave device and dtype auto), or use "
+                     f"weights='dense'")
 
 
 def check_packed(model: str | os.PathLike | None, device: str = "auto", dtype: str = "auto") -> None:

@@ -46,8 +46,8 @@ def test_bf16_asked_for_on_a_cpu_without_it_says_it_is_emulated(monkeypatch, mak
     choice = choose_dtype("cpu", "bfloat16")
     assert choice.dtype == torch.bfloat16 and (choice.reason == "asked for") == native
     assert choose_dtype("cpu", "float32").reason == choose_dtype("cuda", "bfloat16").reason == "asked for"
-    engine = make_engine(tiny_model("llama"), block_size=4, dtype_reason=choice.reason)
-    assert engine.info().summary.endswith("" if native else "; float32 as asked, but this CPU has no native "
+    engine = make_engine(tiny_model("llama").to(torch.bfloat16), block_size=4, dtype_reason=choice.reason)
+    assert engine.info().summary.endswith("" if native else "; bfloat16 as asked, but this CPU has no native "
                                           "bf16 (no AMX or AVX-512 BF16), so torch emulates it, about 5x slower "
                                           "than float32 (bench dtypes)")
     assert ("as asked" in engine.info().summary) != native

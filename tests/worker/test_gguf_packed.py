@@ -257,7 +257,7 @@ def test_a_gguf_file_of_another_architecture_is_refused(tmp_path):
 
 def test_packed_weights_need_fp32_on_the_cpu():
     from jupyter_pagedkv.worker.loader import load_model
-    with pytest.raises(ValueError, match=r"computes in float32 on the CPU .* or use weights='dense'"):
+    with pytest.raises(ValueError, match=r"computes in float32 on the CPU, .* or use weights='dense'"):
         load_model(None, torch.bfloat16, torch.device("cpu"), weights="packed")
 
 
@@ -269,12 +269,14 @@ def test_auto_dtype_for_packed_weights_is_what_their_kernels_compute_in(monkeypa
     assert loader.resolve_device_dtype("cpu", "auto")[1].dtype == torch.bfloat16       # dense: as before
     dev, choice = loader.resolve_device_dtype("cpu", "auto", "packed")
     assert (dev.type, choice.dtype) == ("cpu", torch.float32) and "packed GGUF weights" in choice.reason
-    with pytest.raises(ValueError, match=r"^weights='packed' computes in float32 on the CPU or on CUDA"):
+    with pytest.raises(ValueError, match=r"^weights='packed' computes in float32 on the CPU, in bfloat16"):
         loader.resolve_device_dtype("cpu", "bfloat16", "packed")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     dev, choice = loader.resolve_device_dtype("auto", "auto", "packed")
     assert (dev.type, choice.dtype) == ("cuda", torch.bfloat16)
     assert loader.resolve_device_dtype("cuda", "float16", "packed")[1].dtype == torch.float16
+    with pytest.raises(ValueError, match=r"in bfloat16, float16 or float32 on CUDA \(asked: cuda, torch.float64\)"):
+        loader.resolve_device_dtype("cuda", "float64", "packed")
 
 
 def test_a_bad_gguf_file_is_refused_before_transformers_reads_its_metadata(tmp_path, monkeypatch):

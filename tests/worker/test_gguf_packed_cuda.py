@@ -41,8 +41,7 @@ def embedded_for_cuda():
 def test_the_embedded_gguf_loads_into_triton_layers_equal_to_transformers_dequantized_model(embedded_for_cuda, embedded):
     """Every projection a CudaQuantLinear, the tied output layer reading the embedding's own
     tensors; weights, embedding rows and two layers' hidden states against transformers'
-    dequantized fp32 model (a whole forward takes ~2 minutes in the interpreter; the GPU check
-    runs it whole, natively)."""
+    dequantized fp32 model (a whole forward takes ~2 minutes in the interpreter)."""
     from jupyter_pagedkv.worker.quant_linear import describe_blocks, logical_parameters
     from jupyter_pagedkv.worker.quant_linear_cuda import CudaQuantEmbedding, CudaQuantLinear
     model, tokenizer = embedded_for_cuda

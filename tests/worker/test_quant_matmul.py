@@ -57,7 +57,7 @@ def test_split_blocks_keep_the_files_bytes_and_dequantize_by_the_format(qm, type
     codes, scales, mins = qm.split_blocks(rows, type_name)
     assert codes.nbytes + scales.nbytes + mins.nbytes == rows.nbytes          # moved, nothing added
     assert torch.equal(qm.dequantize(codes, scales, mins, type_name), plain)  # bit for bit
-    assert (codes.dtype, scales.dtype) == (torch.int8 if type_name == "Q8_0" else torch.uint8, torch.float16)
+    assert (codes.dtype, scales.dtype) == (torch.int8 if type_name == "Q8_0" else torch.uint8, torch.int16)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -81,6 +81,24 @@ def test_the_kernel_equals_the_dequantized_weights_gemm(qm, type_name, dtype, ro
                                rtol=RTOL[dtype], atol=ATOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_gpus_tiles_compute_the_same_at_ragged_shapes(qm, dtype):
+    """The tiles a GPU launches (fp32: 16 x 32 x 32; fp16: 16 or 64 rows x 64 x 64), run here too:
+    rows, features and inputs off every tile edge, with a bias. (bf16 needs the interpreter's fp32
+    operands, so the GPU's bf16 launch cannot run here; it shares every index with fp16.)"""
+    g = torch.Generator().manual_seed(3)
+    for type_name, m, n, k in (("Q4_1", 1, 5, 32), ("Q4_0", 17, 130, 160), ("Q8_0", 65, 72, 96)):
+        blocks, plain = file_rows((n, k), type_name, seed=m)
+        codes, scales, mins = (t.to(DEVICE) for t in qm.split_blocks(blocks, type_name))
+        x = torch.randn(m, k, generator=g).to(dtype)
+        bias = torch.randn(n, generator=g).to(dtype)
+        out = torch.empty(m, n, dtype=dtype, device=DEVICE)
+        qm.quant_matmul_launch(x.to(DEVICE), codes, scales, mins, type_name, bias.to(DEVICE), out,
+                               interpreted=False).run()
+        want = (x.float() @ plain.to(dtype).float().T + bias.float()).to(dtype)
+        torch.testing.assert_close(out.cpu().float(), want.float(), rtol=RTOL[dtype], atol=ATOL[dtype])
+
+
 def test_a_type_or_shape_it_cannot_compute_is_one_line(qm):
     rows, _ = file_rows((8, 64), "Q4_1")
     with pytest.raises(ValueError, match=r"^GGUF blocks on CUDA: Q4_0, Q4_1, Q8_0, not Q6_K: load with weights='dense'$"):
@@ -102,6 +120,9 @@ def test_bf16_layers_hold_the_dequantized_models_bf16_values():
     table = CudaQuantEmbedding(rows, "Q4_1", 128, DEVICE, torch.bfloat16)
     ids = torch.tensor([[3, 0, 63]])
     assert torch.equal(table(ids.to(DEVICE)).cpu(), plain.to(torch.bfloat16)[ids])
+    before = layer(x.to(DEVICE))
+    layer.to(torch.float16)          # what a user's model.half() does: the blocks' scales are bits, not re-rounded
+    assert torch.equal(layer(x.to(DEVICE)), before)
     with pytest.raises(RuntimeError, match=f"blocks are on {DEVICE.type}.*; it got an input on meta"):
         layer(torch.empty(2, 128, device="meta"))
 
