@@ -119,7 +119,9 @@ def test_main_streams_one_json_row_per_variant_and_fails_on_a_spill(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows and {r["arch"] for r in rows} == {90}
     assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_merge_splits_kernel",
-                                           "_write_kv_kernel", "_copy_blocks_kernel", "_write_kv_quant_kernel"}
+                                           "_write_kv_kernel", "_copy_blocks_kernel", "_write_kv_quant_kernel",
+                                           "_quant_matmul"}     # weights="packed" on CUDA: every model's
+    assert {r["dtype"] for r in rows if r["kernel"] == "_quant_matmul"} == {"bfloat16", "float16", "float32"}
     assert {r["dtype"] for r in rows if r["kernel"] == "_write_kv_quant_kernel"} >= {"bfloat16/fp8", "bfloat16/int8"}
     assert "variants per model" in proc.stdout and "largest registers" in proc.stdout
     fails = [ln for ln in proc.stderr.splitlines() if ln.startswith("FAIL")]
