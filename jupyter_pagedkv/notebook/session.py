@@ -35,8 +35,8 @@ def preflight(model: str | None, device: str, dtype: str, revision: str | None =
 
     A hub id is fetched here (downloaded on first use, with the hub's progress bars), so a wrong
     id, a gated repo or a missing network leaves the loaded engine in place. Packed weights: the
-    GGUF file's header is read too. Raises ValueError with the loader's wording; the full checks
-    still happen while loading."""
+    device, the dtype and the GGUF path (not its header: the load reads that). Raises ValueError
+    with the loader's wording; the full checks still happen while loading."""
     from ..worker.loader import check_packed, choose_dtype, embedded_gguf, locate
 
     import torch
