@@ -4,6 +4,7 @@ computed), pool snapshots, the monitor feed's observations, request rows, the en
 and execution plan, the invariants; plus the listener hooks monitors wake on."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -125,14 +126,13 @@ class EngineInspection:
         dtype = str(self.dtype).replace("torch.", "")
         n, bs, kv = self.pool.num_blocks, self.block_size, self.kv_cache
         packed = self.runner.packed
-        params, in_blocks = logical_parameters(self.runner.model)
-        weight_bytes = packed_bytes(self.runner.model) if in_blocks else params * self.dtype.itemsize
+        params, weight_bytes, gguf_blocks = self._weights
         summary = (f"{self.name} on {self.device.type} ({dtype}): {n:,} blocks × {bs} = {n * bs:,} tokens "
                    f"of KV{_quantized(kv.spec)}, {kv.bytes_per_block:,} bytes per block, "
                    f"{format_bytes(kv.nbytes)} KV memory, "
                    f"prefix caching {'on' if self.pool.enable_prefix_caching else 'off'}"
                    + (f", GEMMs on packed weights ({_packing_cost(packed)})" if packed.layers else "")
-                   + (f", {gguf_blocks}" if (gguf_blocks := describe_blocks(self.runner.model)) else "")
+                   + (f", {gguf_blocks}" if gguf_blocks else "")
                    + _step_loop(self.runner.lean)
                    + (f", {_prefill_phrase(self.runner.plan.prefill_attention)}" if self.device.type == "cpu" else "")
                    + (f", {len(self.warmed_kernels)} Triton kernel launches warmed up" if self.warmed_kernels else "")
@@ -143,6 +143,15 @@ class EngineInspection:
                           swap_blocks=self.swap.num_slots if self.swap is not None else 0,
                           plan=self.runner.plan.lines(), kv_dtype=kv.spec.dtype_name,
                           num_parameters=params, weight_bytes=weight_bytes)
+
+    @functools.cached_property
+    def _weights(self) -> tuple[int, int, str | None]:
+        """(parameters, bytes a forward reads of them, the GGUF blocks' description): the model's
+        layers do not change under an engine, and monitors ask info() for every frame."""
+        model = self.runner.model
+        params, in_blocks = logical_parameters(model)
+        weight_bytes = packed_bytes(model) if in_blocks else params * self.dtype.itemsize
+        return params, weight_bytes, describe_blocks(model)
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` after every step, in the stepping thread: monitors wake on it instead
