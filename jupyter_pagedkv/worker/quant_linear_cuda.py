@@ -21,6 +21,17 @@ def _kernels():
     return kernel_module("quant_matmul")
 
 
+def _hold_blocks(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
+    """A packed layer's three tensors, as buffers (they move with the module, never re-rounded)."""
+    layer.register_buffer("codes", codes)
+    layer.register_buffer("scales", scales)
+    layer.register_buffer("mins", mins)
+
+
+def _split(rows: torch.Tensor, type_name: str, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(device) for t in _kernels().split_blocks(rows, type_name))
+
+
 class CudaQuantLinear(nn.Module):
     """`x @ W^T (+ bias)` with W as GGUF blocks on the GPU, in the activations' dtype."""
 
@@ -30,16 +41,12 @@ class CudaQuantLinear(nn.Module):
         layer reads (a tied output layer)."""
         super().__init__()
         self.type_name, self.in_features = type_name, in_features
-        if share is not None:
-            codes, scales, mins = share.codes, share.scales, share.mins
-        else:
-            codes, scales, mins = (t.to(device) for t in _kernels().split_blocks(rows, type_name))
+        codes, scales, mins = (share.codes, share.scales, share.mins) if share is not None else \
+            _split(rows, type_name, device)
         if scales.shape[1] * 32 != in_features:
             raise ValueError(f"{type_name} blocks for {in_features} inputs hold {scales.shape[1] * 32}")
         self.out_features = scales.shape[0]
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
+        _hold_blocks(self, codes, scales, mins)
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
 
     @property
@@ -68,11 +75,9 @@ class CudaQuantEmbedding(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.type_name, self.embedding_dim, self.dtype = type_name, embedding_dim, dtype
-        codes, scales, mins = (t.to(device) for t in _kernels().split_blocks(rows, type_name))
+        codes, scales, mins = _split(rows, type_name, device)
         self.num_embeddings = scales.shape[0]
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
+        _hold_blocks(self, codes, scales, mins)
 
     @property
     def blocks(self) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """weights="packed" on CUDA: GGUF blocks through the Triton GEMM (kernels/quant_matmul.py) and the
 CUDA packed layers (worker/quant_linear_cuda.py), run here in Triton's interpreter on CPU tensors
-(`PAGEDKV_KERNEL_TEST_DEVICE=cuda`: natively on a GPU; docs/kernels.md has the command), against the blocks' values by the format's definition (written here in numpy; the GPU image has no
-gguf package). gguf-py's own files and transformers' dequantized model: test_gguf_packed_cuda.py.
+(`PAGEDKV_KERNEL_TEST_DEVICE=cuda`: natively on a GPU; docs/kernels.md has the command), against
+the blocks' values by the format's definition (testing/gguf_blocks.py: the GPU image has no gguf
+package). gguf-py's own files and transformers' dequantized model: test_gguf_packed_cuda.py.
 
 Tolerances, and why. Each weight the kernel builds is exact in fp32 (an fp16 scale times a 4- or
 8-bit code), rounded to the activations' dtype as the dequantized model holds it; only the GEMM's
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -30,25 +30,10 @@ def qm():
 
 
 def file_rows(shape: tuple[int, int], type_name: str, seed: int = 0):
-    """(valid GGUF rows of random blocks, the fp32 weight they stand for): Q4_0 d * (q - 8), Q4_1
-    d * q + m, Q8_0 d * q; a Q4 block's byte j holds weight j (low nibble) and j + 16 (high)."""
-    g = np.random.default_rng(seed)
-    n, nb = shape[0], shape[1] // 32
-    d = (g.random((n, nb)) * 0.1 + 0.01).astype(np.float16)
-    head = [d.view(np.uint8).reshape(n, nb, 2)]
-    if type_name == "Q8_0":
-        q = g.integers(-127, 128, (n, nb, 32)).astype(np.int8)
-        quants, w = q.view(np.uint8), d.astype(np.float32)[..., None] * q
-    else:
-        q = g.integers(0, 16, (n, nb, 32)).astype(np.uint8)
-        quants = q[..., :16] | (q[..., 16:] << 4)
-        w = d.astype(np.float32)[..., None] * (q.astype(np.float32) - (8 if type_name == "Q4_0" else 0))
-        if type_name == "Q4_1":
-            m = (g.standard_normal((n, nb)) * 0.1).astype(np.float16)
-            head.append(m.view(np.uint8).reshape(n, nb, 2))
-            w = w + m.astype(np.float32)[..., None]
-    rows = np.concatenate(head + [quants], axis=-1).reshape(n, -1)
-    return torch.from_numpy(rows), torch.from_numpy(w.reshape(shape).astype(np.float32))
+    """(valid GGUF rows of blocks of a random weight, the fp32 weight they stand for, computed from
+    the codes by the format's definition: testing/gguf_blocks.quantize, not the kernels' module)."""
+    from jupyter_pagedkv.testing.gguf_blocks import quantize
+    return quantize(torch.randn(shape, generator=torch.Generator().manual_seed(seed)), type_name)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
