@@ -63,6 +63,10 @@ TRANSCRIPTS = {
     "demo": Transcript("demo", "docs/demo.md",
                        "$ python -m jupyter_pagedkv demo     # what make demo runs once .venv is set up",
                        (sys.executable, "-m", "jupyter_pagedkv", "demo")),
+    "plan": Transcript("plan", "docs/capacity.md",
+                       "$ python -m jupyter_pagedkv plan Llama-3-70B --gpu H100-80GB --num-gpus 2",
+                       (sys.executable, "-m", "jupyter_pagedkv", "plan", "Llama-3-70B", "--gpu", "H100-80GB",
+                        "--num-gpus", "2")),
     "magics": Transcript("magics", "docs/magics.md", "$ ipython",
                          (sys.executable, "-c", f"CELLS = {MAGIC_CELLS!r}\n{_SESSION}")),
 }

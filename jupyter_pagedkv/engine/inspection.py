@@ -212,11 +212,11 @@ class EngineInspection:
 
 
 def _quantized(spec) -> str:
-    """' in fp8_e4m3 (...)' for a quantized cache; nothing for the model's dtype (already named)."""
+    """' in fp8_e4m3 with ...' for a quantized cache; nothing for the model's dtype (already named).
+    Bytes per token are left to `EngineInfo.kv_phrase`, which `%pagedkv status` prints beneath."""
     if not spec.quantized:
         return ""
-    return (f" in {spec.kv_cache_dtype} with a float16 scale per token and KV head "
-            f"({spec.bytes_per_token:,} bytes per token)")
+    return f" in {spec.kv_cache_dtype} with a float16 scale per token and KV head"
 
 
 def _packing_cost(packed) -> str:

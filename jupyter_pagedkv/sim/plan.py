@@ -124,7 +124,8 @@ class Plan:
                     f"(tensor parallel) or smaller weights (--weight-bytes 1 for 8-bit)")
         return "\n".join([
             f"{head}: weights {self.weight_bytes / GiB:.1f} GiB, KV budget {self.kv_budget_bytes / GiB:.1f} GiB",
-            (f"KV per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} x bytes "
+            (f"KV per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} x "
+             f"{self.kv_bytes_per_token // (2 * m.num_layers * m.num_kv_heads * m.head_dim)} bytes "
              if self.kv_cache_dtype == "auto" else
              f"KV per token ({self.kv_cache_dtype}): 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x "
              f"({m.head_dim} x 1 byte + a {KV_SCALE_BYTES}-byte scale) ")

@@ -70,6 +70,7 @@ def test_prefix_hits_and_forks_read_the_same_quantized_blocks(make_engine, kind)
                if rid == outs[1].request_id) == 24          # the second prompt's first chunk: a hit
     info = engine.info()        # 2 layers x 2 KV heads x 2 (K, V) x (64 bytes + a 2-byte scale)
     assert info.kv_phrase == "KV int8, 528 bytes per token" and " in int8 with a float16 scale" in info.summary
+    assert "bytes per token" not in info.summary     # said once, by kv_phrase beneath it in `status`
     assert [c.token_ids for c in outs[0].outputs] == [list(first.values())[0]] * 2   # a fork: two copies, CoW
     assert again == again_oracle
 
