@@ -7,11 +7,14 @@ ends inside an incomplete UTF-8 character). The engine calls it under its lock.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
 
 from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence
 from ..worker.logprobs import TokenLogprobs
+from .detokenizer import IncrementalText, decodes_locally
 from .logprobs import as_position
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
 from .request import Request
@@ -29,6 +32,9 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.scheduler = scheduler
+        # Each live sequence's text so far (engine/detokenizer.py), dropped with the sequence.
+        self._texts: weakref.WeakKeyDictionary[Sequence, IncrementalText] = weakref.WeakKeyDictionary()
+        self._local = tokenizer is not None and decodes_locally(tokenizer)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
@@ -40,8 +46,25 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
 
     def text_of(self, seq: Sequence) -> str:
-        """A sequence's output text, special tokens kept or skipped as its request asks."""
-        return self.decode(seq.output_token_ids, getattr(seq.params, "skip_special_tokens", True))
+        """A sequence's output text so far, special tokens kept or skipped as its request asks:
+        the tokens since the last call decoded in a short window (IncrementalText), not all of them."""
+        skip = getattr(seq.params, "skip_special_tokens", True)
+        if not self._local:
+            return self.decode(seq.output_token_ids, skip)
+        text = self._texts.get(seq)
+        if text is None:
+            text = self._texts[seq] = IncrementalText()
+        return text.extend(functools.partial(self.decode, skip_special_tokens=skip), seq.output_token_ids)
+
+    def final_text_of(self, seq: Sequence) -> str:
+        """A finished sequence's text: the whole list decoded once more, so it is `decode`'s even
+        where a tokenizer's decoding is not local after all (then said in the log)."""
+        text = self.decode(seq.output_token_ids, getattr(seq.params, "skip_special_tokens", True))
+        grown = self._texts.pop(seq, None)
+        if grown is not None and grown.ids == seq.output_token_ids and grown.text != text:
+            logger.warning("request %s: the text grown token by token differed from the whole decode at its "
+                           "end (%r vs %r); the whole decode is kept", seq.request_id, grown.text[-40:], text[-40:])
+        return text
 
     # -- tokens ---------------------------------------------------------------------------------
     def append_token(self, req: Request, seq: Sequence, token: int, now: float,
@@ -65,6 +88,8 @@ class OutputProcessor:
             reason = "stop"
         elif params.stop and self.tokenizer is not None:
             text = self.text_of(seq)
+            if any(s in text for s in params.stop):     # the cut is made in the whole list's decode
+                text = self.final_text_of(seq)
             for s in params.stop:
                 at = text.find(s)
                 if at >= 0:
@@ -86,7 +111,7 @@ class OutputProcessor:
         try:
             for seq in req.seqs:
                 if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-                    seq.text = self.text_of(seq)
+                    seq.text = self.final_text_of(seq)
             if req.beam is not None:
                 req.beam.finalize(self.decode, req.seqs)
         except Exception as err:   # its text cannot be made: the request ends with that error
