@@ -138,11 +138,12 @@ class Engine(GenerationFront):
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
+    def from_pretrained(cls, model: str | None = None, device: str | None = None, dtype: str | None = None,
                         config: EngineConfig | None = None, **options) -> Engine:
-        """Load a model (None: the embedded SmolLM2-135M-Instruct) and build an engine around it."""
+        """Load a model (None: the embedded SmolLM2-135M-Instruct) and build an engine; given ones override `config`."""
         from ..worker.loader import load_model, resolve_device_dtype
-        config = (config or EngineConfig()).replace(device=device, dtype=dtype, **options)
+        given = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+        config = (config or EngineConfig()).replace(**given, **options)
         dev, choice = resolve_device_dtype(config.device, config.dtype, config.weights)
         loaded = load_model(model, choice.dtype, dev, revision=config.revision,
                             trust_remote_code=config.trust_remote_code, weights=config.weights)

@@ -140,3 +140,25 @@ def test_request_rows_keep_as_many_finished_rows_as_asked(make_engine):
     assert engine.request_rows(finished=0) == []          # not "all of them" ([-0:] is the whole list)
     assert [r.state for r in engine.request_rows(finished=1)] == ["done"]
     assert len(engine.request_rows()) == 2
+
+
+def test_from_pretrained_keeps_the_config_device_and_dtype_unless_told(monkeypatch):
+    """`device` and `dtype` given to from_pretrained override the config's; not given, the config's
+    stand (they were once reset to "auto" by the arguments' defaults)."""
+    import torch
+
+    from jupyter_pagedkv import Engine, EngineConfig
+    from jupyter_pagedkv.worker import loader
+
+    asked = []
+
+    def load_model(model, dtype, device, **kwargs):
+        asked.append((dtype, torch.device(device).type))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+    for kwargs in ({"config": EngineConfig(device="cpu", dtype="bfloat16")},
+                   {"config": EngineConfig(device="cpu", dtype="bfloat16"), "dtype": "float32"}):
+        with pytest.raises(RuntimeError, match="stop here"):
+            Engine.from_pretrained("some/model", **kwargs)
+    assert asked == [(torch.bfloat16, "cpu"), (torch.float32, "cpu")]
