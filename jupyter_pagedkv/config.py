@@ -76,8 +76,8 @@ class EngineConfig:
                                    "fp16 or fp32 on CUDA (a Triton GEMM)",
                           choices=("dense", "packed"), loading=True)
     block_size: int = option(16, "tokens per KV block", metavar="N")
-    num_blocks: int | None = option(None, "KV blocks to allocate (default: from the KV memory; "
-                                          "wins over it when both are given)", metavar="N")
+    num_blocks: int | None = option(None, "KV blocks to allocate, instead of a KV memory (default: "
+                                          "from the KV memory)", metavar="N")
     kv_cache_memory: str | int | None = option(
         None, "KV memory instead of a block count, e.g. 512MiB (CPU default 1GiB; CUDA 90 percent of "
               "the memory free after the weights, less 1 GiB for activations)", metavar="SIZE")

@@ -233,10 +233,7 @@ class KVCacheManager(ABC):
         self.pool.check_invariants(expected, owners)  # invariants 1-3, the gauge and per-tenant counters
         swapped = [seq for seq in live if seq.status is SequenceStatus.SWAPPED]
         if self.swap is not None:
-            held = [slot for seq in swapped for slot in seq.swap_slots]
-            assert len(held) == len(set(held)) == self.swap.num_used, (
-                f"swap space: {self.swap.num_used} slots in use but swapped sequences hold {len(held)} "
-                f"(invariant 6)")
+            self.swap.check_invariants([slot for seq in swapped for slot in seq.swap_slots])
         for seq in swapped:
             assert not seq.block_table.blocks and seq.swap_slots, (
                 f"{seq.request_id}: swapped but holds device blocks or no host slots (invariant 6)")

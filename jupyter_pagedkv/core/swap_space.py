@@ -25,3 +25,14 @@ class SwapSpace:
 
     def free(self, slots: list[int]) -> None:
         self._free.extend(reversed(slots))
+
+    def check_invariants(self, held: list[int]) -> None:
+        """Invariant 6: `held` (every slot swapped sequences hold) and the free list are each
+        without repeats, and together they are every slot exactly once."""
+        free, taken = set(self._free), set(held)
+        assert len(free) == len(self._free), "swap space: a slot is on the free list twice (invariant 6)"
+        assert len(taken) == len(held), "swap space: two swapped sequences hold one slot (invariant 6)"
+        assert not free & taken and len(free) + len(taken) == self.num_slots and \
+            free | taken == set(range(self.num_slots)), (
+                f"swap space: slots {sorted(free & taken)[:5]} both free and held, or "
+                f"{self.num_slots - len(free | taken)} neither (invariant 6)")

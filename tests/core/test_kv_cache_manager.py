@@ -164,6 +164,20 @@ def test_free_of_a_swapped_sequence_returns_its_host_slots(make):
     assert kv.swap.num_used == 0 and kv.num_free == kv.num_blocks
 
 
+def test_a_slot_both_held_and_free_is_caught_by_the_invariant_checker():
+    """Invariant 6 compares the slots themselves, not their counts: a held slot that is also on the
+    free list (with another slot neither) keeps the counts equal and is still caught."""
+    kv = paged(swap=SwapSpace(4))
+    seq = sequence(kv, "s", list(range(6)))
+    assert admit(kv, seq) and kv.swap_out(seq) is not None
+    seq.status = SequenceStatus.SWAPPED
+    kv.check_invariants([seq])
+    lost = next(s for s in range(4) if s not in seq.swap_slots and s in kv.swap._free)
+    kv.swap._free[kv.swap._free.index(lost)] = seq.swap_slots[0]   # a held slot freed, one lost
+    with pytest.raises(AssertionError, match="invariant 6"):
+        kv.check_invariants([seq])
+
+
 def test_a_swapped_sequence_comes_back_with_its_slots():
     kv = paged(swap=SwapSpace(4))
     seq = sequence(kv, "s", list(range(6)))
