@@ -7,14 +7,13 @@ ends inside an incomplete UTF-8 character). The engine calls it under its lock.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 
 from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence
 from ..worker.logprobs import TokenLogprobs
-from .detokenizer import IncrementalText, decodes_locally
+from .detokenizer import IncrementalText, WindowDecoder, decodes_locally
 from .logprobs import as_position
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
 from .request import Request
@@ -35,6 +34,7 @@ class OutputProcessor:
         # Each live sequence's text so far (engine/detokenizer.py), dropped with the sequence.
         self._texts: weakref.WeakKeyDictionary[Sequence, IncrementalText] = weakref.WeakKeyDictionary()
         self._local = tokenizer is not None and decodes_locally(tokenizer)
+        self._decoders: dict[bool, WindowDecoder] = {}     # by skip_special_tokens, made on first use
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
@@ -51,10 +51,21 @@ class OutputProcessor:
         skip = getattr(seq.params, "skip_special_tokens", True)
         if not self._local:
             return self.decode(seq.output_token_ids, skip)
+        decoder = self._decoders.get(skip)
+        if decoder is None:
+            decoder = self._decoders[skip] = WindowDecoder.of(self.tokenizer, skip)
         text = self._texts.get(seq)
         if text is None:
             text = self._texts[seq] = IncrementalText()
-        return text.extend(functools.partial(self.decode, skip_special_tokens=skip), seq.output_token_ids)
+        return text.extend(decoder, seq.output_token_ids)
+
+    def text_now(self, req: Request, seq: Sequence) -> str:
+        """What a sequence's text reads at this step: its final text once made (the request has
+        ended, or a stop string cut it), else the text so far, also for a sample that ended
+        before its siblings (its final text is made when the request ends)."""
+        if seq.is_finished and (req.finished or isinstance(seq.stop_reason, str)):
+            return seq.text
+        return self.text_of(seq)
 
     def final_text_of(self, seq: Sequence) -> str:
         """A finished sequence's text: the whole list decoded once more, so it is `decode`'s even
@@ -130,7 +141,7 @@ class OutputProcessor:
         completions = []
         wants = getattr(req.params, "logprobs", None) is not None
         for i, seq in enumerate(req.seqs):
-            text = seq.text if seq.is_finished else self.text_of(seq)
+            text = self.text_now(req, seq)
             lps = list(req.logprobs.get(seq.sample_index, ())) if wants else None
             completions.append(CompletionOutput(
                 i, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs=lps,
@@ -150,7 +161,7 @@ class OutputProcessor:
         seq = req.seqs[0]
         finished = req.finished
         tokens = seq.output_token_ids
-        text = seq.text if finished else self.text_of(seq)
+        text = self.text_now(req, seq)
         if req.beam is not None:
             if not finished:
                 return   # beams reorder every step: only the final hypotheses are published

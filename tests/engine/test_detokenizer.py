@@ -13,7 +13,7 @@ import random
 import pytest
 
 from jupyter_pagedkv.core.sampling_params import SamplingParams
-from jupyter_pagedkv.engine.detokenizer import IncrementalText
+from jupyter_pagedkv.engine.detokenizer import IncrementalText, WindowDecoder
 from jupyter_pagedkv.testing.models import byte_tokenizer, tiny_model
 
 TEXT = ("Paged attention, explained: «blocks» of 16 tokens — naïve vs paged. 日本語のテキスト, "
@@ -32,6 +32,19 @@ def sentencepiece_tokenizer():
     core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                       decoders.Strip(" ", 1, 0)])
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def metaspace_tokenizer():
+    """The same idea through tokenizers' Metaspace decoder (the first token's space dropped), with a
+    second special token that is not EOS ([INST], as chat models emit mid-output)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁the", "▁cat", "▁sat", "[INST]", "s", "▁", "."]
+    core = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=["[INST]"])
 
 
 def sentencepiece_text_ids(tok) -> list[int]:
@@ -59,12 +72,14 @@ def grow_and_compare(tok, ids: list[int], skip: bool, rng: random.Random) -> int
     """Grow a list to `ids` a few tokens at a time, checking the text against decode's each time;
     returns how many tokens the incremental decodes were given in all."""
     given = 0
+    plain = WindowDecoder.of(tok, skip)
 
-    def decode(part: list[int]) -> str:
+    def count(part: list[int]) -> str:
         nonlocal given
         given += len(part)
-        return tok.decode(part, skip_special_tokens=skip)
+        return plain.decode(part)
 
+    decode = WindowDecoder(count, plain.byte_ids, plain.skipped)
     text, n = IncrementalText(), 0
     while n < len(ids):
         n = min(len(ids), n + rng.choice([1, 1, 1, 2, 3]))
@@ -72,12 +87,25 @@ def grow_and_compare(tok, ids: list[int], skip: bool, rng: random.Random) -> int
     return given
 
 
+@pytest.mark.parametrize("make", [sentencepiece_tokenizer, metaspace_tokenizer])
 @pytest.mark.parametrize("skip", [True, False])
-def test_sentencepiece_style_text_matches_the_whole_decode_after_every_token(skip):
-    tok, rng = sentencepiece_tokenizer(), random.Random(1)
-    grow_and_compare(tok, sentencepiece_text_ids(tok), skip, rng)
-    for _ in range(40):
-        grow_and_compare(tok, [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))], skip, rng)
+def test_sentencepiece_style_text_matches_the_whole_decode_after_every_token(make, skip):
+    """Random ids, a quarter of them special tokens: a skipped special token between two words must
+    not take the next word's space with it (it once did: "the cat</s> sat" grew as "the catsat")."""
+    tok, rng = make(), random.Random(1)
+    vocab, special = tok.get_vocab(), tok.all_special_ids
+    if make is sentencepiece_tokenizer:
+        grow_and_compare(tok, sentencepiece_text_ids(tok), skip, rng)
+    words = [vocab["▁the"], vocab["▁cat"], vocab["</s>"], vocab["</s>"], vocab["▁cat"], vocab["</s>"], vocab["▁the"]]
+    for steps in ([1] * 7, [2, 1, 3, 1], [3, 4]):
+        text, n = IncrementalText(), 0
+        for k in steps:
+            n += k
+            assert text.extend(WindowDecoder.of(tok, skip), words[:n]) == \
+                tok.decode(words[:n], skip_special_tokens=skip)
+    for _ in range(150):
+        grow_and_compare(tok, [rng.choice(special) if rng.random() < 0.25 else rng.randrange(len(tok))
+                               for _ in range(rng.randrange(1, 60))], skip, rng)
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -102,7 +130,7 @@ def test_the_decoded_tokens_grow_with_the_text_not_with_its_square(embedded_toke
 def test_a_rewritten_list_starts_over():
     tok = byte_tokenizer()
     text = IncrementalText()
-    decode = tok.decode
+    decode = WindowDecoder.of(tok, False)     # (its "!" is the pad token: skipped when skipping)
     a, b = tok.encode("hello world"), tok.encode("help")
     assert text.extend(decode, a) == "hello world"
     assert text.extend(decode, b) == "help"          # not a growth of the list seen: decoded afresh
@@ -134,3 +162,21 @@ def test_streams_outputs_and_stop_strings_keep_the_whole_decodes_text(make_engin
     again, = engine.generate("Tell me about blocks", SamplingParams(max_tokens=40, temperature=0.8, seed=7,
                                                                    ignore_eos=True, stop=[stop]))
     assert again.outputs[0].text == text[:text.index(stop)] and again.outputs[0].stop_reason == stop
+
+
+def test_a_sample_that_ends_before_its_siblings_shows_its_text(make_engine):
+    """n=4 samples: one that hits a stop token while the others go on shows its text in every
+    output from then on, not '' until the whole request ends."""
+    tok = byte_tokenizer()
+    engine = make_engine(tiny_model("llama", seed=3), tok)
+    prompt, params = list(b"abc abc"), dict(max_tokens=30, n=4, temperature=1.0, seed=1, ignore_eos=True)
+    free, = engine.generate([prompt], SamplingParams(**params))
+    stop = free.outputs[0].token_ids[5]           # sample 0's sixth token ends it at its sixth step
+    engine.add_request(prompt, SamplingParams(**params, stop_token_ids=[stop]))
+    early = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+                early += not out.finished and c.finish_reason is not None
+    assert early > 0
