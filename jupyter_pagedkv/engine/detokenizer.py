@@ -18,8 +18,7 @@ The result is `tokenizer.decode(ids)`'s wherever decoding is local in this sense
 character boundaries; SentencePiece with a token of context and whole byte runs); tests check both
 kinds after every growth. Where the window's text does not extend its context's, it is not local,
 and the whole list is decoded instead (then the window restarts from the first token). Tokenizers
-that clean up spaces around punctuation across tokens (`clean_up_tokenization_spaces`) always
-decode the whole list. The engine decodes the whole list once more when a sequence finishes, so
+whose decode cleans up spaces around punctuation (`decodes_locally`) always decode the whole list. The engine decodes the whole list once more when a sequence finishes, so
 its final text is `decode`'s in any case.
 """
 from __future__ import annotations
@@ -32,9 +31,19 @@ REPLACEMENT = "\ufffd"
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+# What a decode that cleans up spaces around punctuation would change.
+CLEAN_UP_PROBE = "a . b , c ! d ? e n't f 's"
+
+
 def decodes_locally(tokenizer) -> bool:
-    """Whether a window's text can stand for the whole list's (see the module docstring)."""
-    return not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    """Whether a window's text can stand for the whole list's: not where the decode cleans up spaces
+    around punctuation, which joins text across tokens (" n't" -> "n't"). Asked of the decode itself,
+    once: WordPiece's decoder cleans up whatever the flag says, and transformers ignores
+    `clean_up_tokenization_spaces=True` for BPE tokenizers (Llama 3's config sets it)."""
+    try:
+        return tokenizer.decode(tokenizer.encode(CLEAN_UP_PROBE, add_special_tokens=False)) == CLEAN_UP_PROBE
+    except Exception:     # a tokenizer that only decodes: trust its flag
+        return not getattr(tokenizer, "clean_up_tokenization_spaces", False)
 
 
 @dataclass(frozen=True)

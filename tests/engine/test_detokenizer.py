@@ -13,7 +13,7 @@ import random
 import pytest
 
 from jupyter_pagedkv.core.sampling_params import SamplingParams
-from jupyter_pagedkv.engine.detokenizer import IncrementalText, WindowDecoder
+from jupyter_pagedkv.engine.detokenizer import IncrementalText, WindowDecoder, decodes_locally
 from jupyter_pagedkv.testing.models import byte_tokenizer, tiny_model
 
 TEXT = ("Paged attention, explained: «blocks» of 16 tokens — naïve vs paged. 日本語のテキスト, "
@@ -125,6 +125,31 @@ def test_the_decoded_tokens_grow_with_the_text_not_with_its_square(embedded_toke
     ids = tok.encode(TEXT * 60, add_special_tokens=False)[:2000]
     given = grow_and_compare(tok, ids, True, random.Random(3))
     assert given < 6 * len(ids), given
+
+
+def wordpiece_tokenizer(clean_up: bool):
+    """BERT's decoder, which joins "a" "." as "a." across tokens (a clean-up of its own)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "a", ".", "b", ",", "c", "!", "d", "?", "e", "n", "'", "t", "f", "s"]
+    core = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    core.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", clean_up_tokenization_spaces=clean_up)
+
+
+def test_a_decode_that_cleans_up_spaces_is_decoded_whole(embedded_tokenizer):
+    """Decoding is asked whether it cleans up spaces around punctuation (a rewrite that can reach
+    across a window's edge): WordPiece's decoder does, flag or no flag, so its text is the whole
+    list's every time; a byte-level BPE with the flag set does not (transformers ignores the flag
+    for BPE; Llama 3's config sets it), so it stays incremental."""
+    assert not decodes_locally(wordpiece_tokenizer(clean_up=False))
+    assert not decodes_locally(wordpiece_tokenizer(clean_up=True))
+    assert decodes_locally(embedded_tokenizer) and decodes_locally(byte_tokenizer())
+    flagged = byte_tokenizer()
+    flagged.clean_up_tokenization_spaces = True
+    assert decodes_locally(flagged)
 
 
 def test_a_rewritten_list_starts_over():
