@@ -23,9 +23,12 @@ its final text is `decode`'s in any case.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Callable
+
+logger = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -42,7 +45,8 @@ def decodes_locally(tokenizer) -> bool:
     `clean_up_tokenization_spaces=True` for BPE tokenizers (Llama 3's config sets it)."""
     try:
         return tokenizer.decode(tokenizer.encode(CLEAN_UP_PROBE, add_special_tokens=False)) == CLEAN_UP_PROBE
-    except Exception:     # a tokenizer that only decodes: trust its flag
+    except Exception as err:     # a tokenizer that only decodes, say: trust its flag
+        logger.debug("asking the tokenizer whether it cleans up spaces failed (%s): its flag decides", err)
         return not getattr(tokenizer, "clean_up_tokenization_spaces", False)
 
 
