@@ -139,8 +139,8 @@ def sampling_arguments(f: Callable) -> Callable:
                  help="show special tokens (such as EOS) in the answer's text"),
         argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling"),
         argument("--logprobs", type=int, default=None, metavar="K",
-                 help="show each answer token shaded by its probability, its K best alternatives on "
-                      "hover (the raw model distribution; --out keeps them)"),
+                 help="show each answer token shaded by its probability, the K most likely tokens (it "
+                      "among them) on hover (the raw model distribution; --out keeps them)"),
         argument("--prompt-logprobs", type=int, default=None, metavar="K",
                  help="the same for the prompt's tokens"),
         argument("--stop", action="append", default=None, metavar="S",
