@@ -32,7 +32,6 @@ class SwapSpace:
         free, taken = set(self._free), set(held)
         assert len(free) == len(self._free), "swap space: a slot is on the free list twice (invariant 6)"
         assert len(taken) == len(held), "swap space: two swapped sequences hold one slot (invariant 6)"
-        assert not free & taken and len(free) + len(taken) == self.num_slots and \
-            free | taken == set(range(self.num_slots)), (
+        assert not free & taken and free | taken == set(range(self.num_slots)), (
                 f"swap space: slots {sorted(free & taken)[:5]} both free and held, or "
                 f"{self.num_slots - len(free | taken)} neither (invariant 6)")

@@ -18,8 +18,9 @@ The result is `tokenizer.decode(ids)`'s wherever decoding is local in this sense
 character boundaries; SentencePiece with a token of context and whole byte runs); tests check both
 kinds after every growth. Where the window's text does not extend its context's, it is not local,
 and the whole list is decoded instead (then the window restarts from the first token). Tokenizers
-whose decode cleans up spaces around punctuation (`decodes_locally`) always decode the whole list. The engine decodes the whole list once more when a sequence finishes, so
-its final text is `decode`'s in any case.
+whose decode cleans up spaces around punctuation (`decodes_locally`) always decode the whole list.
+The engine decodes the whole list once more when a sequence finishes, so its final text is
+`decode`'s in any case.
 """
 from __future__ import annotations
 
@@ -32,8 +33,6 @@ logger = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-
-
 # What a decode that cleans up spaces around punctuation would change.
 CLEAN_UP_PROBE = "a . b , c ! d ? e n't f 's"
 
