@@ -36,7 +36,14 @@ QUESTIONS = ["What is the capital of France?", "Give me two tips for learning to
              "Why is the sky blue?"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
 BLOCK = 32      # the server's block size (ServerConfig's default)
-NEW = 64        # tokens each of the 16 gauge requests generates: 64 steps, seconds on any CPU
+NEW = 64        # tokens each of the 16 counted requests generates: 64 steps, seconds on any CPU
+LONG = 1500     # tokens each of the 16 watched requests may generate: they are aborted long before
+
+
+def _prompts() -> list[str]:
+    """16 prompts that share no full block (each starts with its own topic)."""
+    return [f"{t} are interesting. Write a short paragraph about {t.lower()}, their history and "
+            f"why people care about them." for t in TOPICS]
 
 
 @pytest.fixture(scope="module")
@@ -127,67 +134,97 @@ def test_magics_connect_stream_and_chat_cached_tokens(server, ip, capsys, monkey
     assert session.current().engine is None
 
 
-def test_gauges_move_and_kv_events_match_usage(client):
+def _settled(client, deadline: float):
+    """The server's gauges once nothing runs or waits: a baseline for counters. The API server
+    records a step's stats just after it streams the step's tokens, so a scrape right after a
+    request ended can miss its last step; that record is the one that takes the running gauge
+    back to 0 (the step before it, the request still ran), so waiting for 0 waits for it."""
+    while time.monotonic() < deadline:
+        s = client.stats()
+        if s.num_running == 0 and s.num_waiting == 0:
+            return s
+        time.sleep(0.05)
+    raise AssertionError("the server still reported requests running or waiting after its deadline")
+
+
+def _until(client, done, deadline: float):
+    """Scrape until `done(stats)` holds: a counter that trails the streams reaches its value."""
+    while time.monotonic() < deadline:
+        s = client.stats()
+        if done(s):
+            return s
+        time.sleep(0.05)
+    return client.stats()
+
+
+def test_counters_and_kv_events_add_up_after_a_run(client):
+    """16 requests of NEW tokens to the end: the token, query and finish counters move by exactly
+    what was asked, and once the event stream is quiet it has published every full block once."""
     client.reset_prefix_cache()     # the server runs with VLLM_SERVER_DEV_MODE=1 for this
     client.events.wait_quiet()
     assert client.events.snapshot().num_blocks == 0
-    before = client.stats()
+    deadline = time.monotonic() + 600
+    before = _settled(client, deadline)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    prompts = [f"{t} are interesting. Write a short paragraph about {t.lower()}, their history and "
-               f"why people care about them." for t in TOPICS]
-    feed = MonitorFeed(client, threaded=False, resync_interval=0.0)     # what the widget and the side panel draw
-    frames = []
-    feed.subscribe(frames.append)
-    samples = []
-
-    def sample() -> None:
-        feed.publish()
-        e1 = client.events.snapshot().num_blocks
-        s = client.stats()
-        e2 = client.events.snapshot().num_blocks
-        samples.append((s.num_used, e1, e2, s.num_running, s.num_waiting, len(client.live_requests()),
-                        s.kv_cache_usage, s.num_finished - before.num_finished))
-
-    # A sample after each request is added, then densely until all are done: the early ones
-    # come before any request can have finished (each makes 64 tokens), however slow the machine.
-    ids = []
-    for p in prompts:
-        ids.append(client.add_request(p, params))
-        sample()
-    while client.has_unfinished_requests():
-        sample()
-        time.sleep(0.05)
-    outs = [client._result(client._handle(rid)) for rid in ids]
+    handles = [client._handle(client.add_request(p, params)) for p in _prompts()]
+    assert all(h.done.wait(max(0.0, deadline - time.monotonic())) for h in handles)
+    outs = [client._result(h) for h in handles]
     assert all(o.finish_reason == "length" and len(o.token_ids) == NEW for o in outs)
-    client.events.wait_quiet()
-    after = client.stats()
-    print("samples (used, events before, events after, running, waiting, live, usage, finished):", samples)
-
-    # Gauges moved during the run.
-    assert max(s[3] for s in samples) >= 2 and max(s[6] for s in samples) > 0
+    # The counters trail the streams: wait for the finish count, then every counter is exact.
+    after = _until(client, lambda s: s.num_finished - before.num_finished >= 16, deadline)
+    assert after.num_finished - before.num_finished == 16 and after.num_running == 0
     assert after.num_generated_tokens - before.num_generated_tokens == 16 * NEW
     assert after.prefix_cache_queries - before.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in outs)
-    assert after.num_finished - before.num_finished == 16 and after.num_running == 0
-    # While requests ran and none had finished, the events had published only full blocks in
-    # use: never more than /metrics counts (which includes each request's partly filled last
-    # block). How far the events trail is up to the server's publisher thread, which a busy
-    # 2-core machine can starve for seconds (CI saw 10 published against 32 in use for 3.5 s), so
-    # the exact count is checked once the stream is quiet, below; that they arrive during a run
-    # is the next test.
-    running = [s for s in samples if s[7] == 0 and s[3] >= 2]
-    assert running, "no sample caught two requests running before any finished"
-    for used, e1, e2, n, *_ in running:
-        assert e1 <= used, (used, e1, e2, n)
-    # Afterwards: every full block (prompt + output, less the last token whose KV is never
-    # computed) was published once; the prompts share no full block.
+    # Every full block (prompt + output, less the last token whose KV is never computed) was
+    # published once; the prompts share no full block.
+    client.events.wait_quiet()
     expected = sum((len(o.prompt_token_ids) + NEW - 1) // BLOCK for o in outs)
     assert client.events.snapshot().num_blocks == expected
     snap = client.pool_snapshot()
     assert snap["states"].count("cached") == expected and snap["num_blocks"] == after.num_blocks
-    # The monitor's frames moved with the run and end on the same map.
-    last = feed.publish()
-    assert max(f.gauges["num_running"] for f in frames) >= 2 and max(f.gauges["num_used"] for f in frames) > 0
+    # What the widget and the side panel draw ends on the same map.
+    last = MonitorFeed(client, threaded=False, resync_interval=0.0).publish()
     assert last.gauges["states"].get("cached", 0) == expected and last.gauges["num_running"] == 0
+
+
+def test_gauges_move_while_requests_run(client):
+    """16 requests far longer than the watch (LONG tokens each): scrape until /metrics shows two
+    or more running with KV in use, then abort them all. No request can end while it is watched,
+    so the check needs no luck with timing: however slow the scrapes, the server is still busy."""
+    client.reset_prefix_cache()
+    client.events.wait_quiet()
+    assert client.events.snapshot().num_blocks == 0
+    deadline = time.monotonic() + 600
+    _settled(client, deadline)
+    feed = MonitorFeed(client, threaded=False, resync_interval=0.0)
+    frames = []
+    feed.subscribe(frames.append)
+    samples = []
+    params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+    ids = [client.add_request(p, params) for p in _prompts()]
+    try:
+        while time.monotonic() < deadline:
+            feed.publish()
+            e1 = client.events.snapshot().num_blocks
+            s = client.stats()
+            samples.append((s.num_used, e1, s.num_running, s.kv_cache_usage))
+            if s.num_running >= 2 and s.kv_cache_usage > 0 and any(f.gauges["num_running"] >= 2 for f in frames):
+                break
+            time.sleep(0.05)
+    finally:
+        still_live = [client.abort(rid) for rid in ids]
+    print("samples (used, events, running, usage):", samples)
+    assert all(still_live), "a request ended while it was watched: raise LONG"
+    running = [s for s in samples if s[2] >= 2]
+    assert running and running[-1][3] > 0, "/metrics never showed two requests running with KV in use"
+    assert max(f.gauges["num_used"] for f in frames) > 0
+    # How the events compare with /metrics mid-run is not checked: the engine publishes events and
+    # the API server records gauges on separate threads, each of which a busy 2-core machine can
+    # starve for seconds, so either may trail. The exact count is the test above; that events
+    # arrive during a run is the next one.
+    while client.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats().num_running == 0 and not client.live_requests()
 
 
 def test_kv_events_arrive_while_a_request_runs(client):
