@@ -118,8 +118,9 @@ def open_comm(comm, open_msg: dict, get_engine: GetEngine) -> None:
         elif request == "subscribe":
             stop()
             interval = max(0.1, float(data.get("interval_ms", 500)) / 1000)
-            pusher.append(Pusher(comm, interval, get_engine))
+            # The acknowledgement first: once the thread runs, a snapshot could overtake it.
             comm.send({"response": "subscribed", "interval_ms": round(interval * 1000)})
+            pusher.append(Pusher(comm, interval, get_engine))
         elif request == "unsubscribe":
             stop()
             comm.send({"response": "unsubscribed"})

@@ -263,6 +263,18 @@ def watch(page, selector: str, until, timeout: float, every: float = 0.15) -> li
     pytest.fail(f"the canvas {selector} never showed the expected state; last readings: {seen[-3:]}")
 
 
+def settle(read, ok, timeout: float = 60, every: float = 0.2):
+    """Read until `ok(reading)` holds or `timeout` passes; returns the last reading either way, for
+    the caller's assertions to judge. For what the front end finishes on its own after a cell's
+    prompt number appears (a render, a highlight, a repaint): a starved browser may take seconds."""
+    deadline = time.monotonic() + timeout
+    reading = read()
+    while not ok(reading) and time.monotonic() < deadline:
+        time.sleep(every)
+        reading = read()
+    return reading
+
+
 WIDGET_ROOT = ".jp-OutputArea .pkv-root"
 PANEL_ROOT = "#jupyter-pagedkv-panel .pkv-root"
 

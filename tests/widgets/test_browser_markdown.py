@@ -21,7 +21,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from browser_lab import ARTIFACTS, lab, lab_page, run_cell, wait_done  # noqa: F401
+from browser_lab import ARTIFACTS, lab, lab_page, run_cell, settle, wait_done  # noqa: F401
 
 # JupyterLab and Chromium start in the module's first test (its fixtures' setup counts).
 pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1200)]
@@ -198,7 +198,9 @@ def test_a_streaming_answer_renders_its_markdown_while_its_code_fence_is_still_o
 
 def test_the_finished_answer_keeps_its_markdown_and_ends_with_the_footer(page, server):
     wait_done(page, 2, timeout=120)
-    shown = read(page)
+    # The prompt number comes with the execute reply; the last render (Markdown, highlighting, the
+    # footer) is the front end's own async work and may land after it: poll until it has.
+    shown = settle(lambda: read(page), lambda s: s["text"].rstrip().endswith("· stop]") and s["highlighted"] > 0)
     page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "markdown-finished.png"))
     assert_rendered(shown)
     assert shown["code"][0].strip() == "def free(block):\n    pool.release(block)"

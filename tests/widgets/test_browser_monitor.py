@@ -34,6 +34,7 @@ from browser_lab import (  # noqa: F401  (lab: a fixture)
     reset_peaks,
     run_cell,
     seqs_until_done,
+    settle,
     wait_done,
     wait_for_peak,
     watch,
@@ -69,13 +70,13 @@ def test_the_widget_shows_blocks_in_use_during_a_run_and_freed_after(page):
     assert all(a <= b for a, b in zip(seqs, seqs[1:])), f"the view went back to an older frame: {seqs}"
     after = watch(page, WIDGET_CANVAS, lambda c: c["used"] == 0 and c["shared"] == 0, timeout=30)[-1]
     assert after["cached"] > 0 and after["free"] > 0, after     # finished blocks keep their prefix
-    text = cell_text(page, 3)
+    text = settle(lambda: cell_text(page, 3), lambda t: t.count("tokens generated") == len(PROMPTS))
     assert text.count("tokens generated") == len(PROMPTS), text
     # The answers are Markdown, rendered by JupyterLab: one rendered document per prompt's column.
     answers = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-RenderedMarkdown")
-    assert answers.count() == len(PROMPTS), answers.count()
+    assert settle(answers.count, lambda n: n == len(PROMPTS)) == len(PROMPTS), answers.count()
     page.locator(".jp-Notebook .jp-Cell").nth(3).screenshot(path=str(ARTIFACTS / "markdown-answers.png"))
-    gauges = page.locator(".jp-OutputArea .pkv-gauges").first.inner_text()
+    gauges = settle(page.locator(".jp-OutputArea .pkv-gauges").first.inner_text, lambda g: "0 running" in g)
     assert "0 running" in gauges and "KV used" in gauges, gauges
     page.locator(".jp-Notebook .jp-Cell").nth(2).screenshot(path=str(ARTIFACTS / "widget-after-run.png"))
 

@@ -36,6 +36,7 @@ from browser_lab import (
     jupyter_server,
     reset_peaks,
     run_cell,
+    settle,
     wait_done,
     wait_for_peak,
     watch,
@@ -153,9 +154,9 @@ def test_the_widget_shows_blocks_in_use_during_a_run_and_freed_after(nb7_page):
     wait_done(page, GENERATE_CELL, timeout=300)
     after = watch(page, WIDGET_CANVAS, lambda c: c["used"] == 0 and c["shared"] == 0, timeout=30)[-1]
     assert after["cached"] > 0 and after["free"] > 0, after     # finished blocks keep their prefix
-    text = cell_text(page, GENERATE_CELL)
+    text = settle(lambda: cell_text(page, GENERATE_CELL), lambda t: t.count("tokens generated") == len(PROMPTS))
     assert text.count("tokens generated") == len(PROMPTS), text
-    gauges = page.locator(".jp-OutputArea .pkv-gauges").first.inner_text()
+    gauges = settle(page.locator(".jp-OutputArea .pkv-gauges").first.inner_text, lambda g: "0 running" in g)
     assert "0 running" in gauges and "KV used" in gauges, gauges
     shot(page, "widget-after-run", MONITOR_CELL)
     shot(page, "notebook-after-run")

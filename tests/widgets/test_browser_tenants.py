@@ -17,7 +17,7 @@ import re
 import time
 
 import pytest
-from browser_lab import ARTIFACTS, _why_skip, jupyter_server, lab_page, run_cell, write_notebook
+from browser_lab import ARTIFACTS, _why_skip, jupyter_server, lab_page, run_cell, settle, write_notebook
 
 from jupyter_pagedkv.widgets.pool_figure import STATIC
 
@@ -193,16 +193,21 @@ def test_both_views_stay_coloured_by_tenant_through_a_theme_switch(page):
     """A theme change repaints the map (free in the dark grey) and keeps each view's choice."""
     page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
     page.wait_for_selector("body[data-jp-theme-light='false']", state="attached", timeout=30_000)
-    page.wait_for_timeout(1000)
-    free = page.evaluate("""() => { const c = document.createElement('canvas').getContext('2d');
-        c.fillStyle = getComputedStyle(document.body).getPropertyValue('--jp-layout-color2').trim();
-        const n = parseInt(c.fillStyle.slice(1), 16); return [n >> 16, (n >> 8) & 255, n & 255]; }""")
+    def free() -> list[int]:
+        return page.evaluate("""() => { const c = document.createElement('canvas').getContext('2d');
+            c.fillStyle = getComputedStyle(document.body).getPropertyValue('--jp-layout-color2').trim();
+            const n = parseInt(c.fillStyle.slice(1), 16); return [n >> 16, (n >> 8) & 255, n & 255]; }""")
+
+    def read(root: str) -> dict:
+        return page.evaluate(READ_CANVAS, [f"{root} canvas.pkv-blocks", js_colour("TENANT_COLORS")[:3] + [free()],
+                                           [js_colour("MARK"), js_colour("STRIPE")]])
+
     try:
         for root in (WIDGET, PANEL):
             assert page.evaluate("sel => document.querySelector(sel).dataset.mode", root) == "tenant"
-            seen = page.evaluate(READ_CANVAS, [f"{root} canvas.pkv-blocks", js_colour("TENANT_COLORS")[:3] + [free],
-                                               [js_colour("MARK"), js_colour("STRIPE")]])
-            assert all(seen["counts"]) and seen["splits"] > 0, (root, free, seen)   # the last: dark free
+            # The repaint follows the theme's CSS on the next animation frame: poll until it shows.
+            seen = settle(lambda: read(root), lambda s: all(s["counts"]) and s["splits"] > 0, timeout=30)
+            assert all(seen["counts"]) and seen["splits"] > 0, (root, free(), seen)   # the last: dark free
         page.screenshot(path=str(ARTIFACTS / "tenants-lab-dark.png"))
     finally:
         page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")

@@ -204,16 +204,21 @@ def test_the_cpp_loop_lets_other_threads_run_while_it_computes():
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)
     thread = threading.Thread(target=spin)
+    during, deadline = [], time.monotonic() + 60
     try:
         thread.start()
-        before = ticks[0]
-        module.decode_layers(*args)
-        during = ticks[0] - before
+        # A call that kept the GIL lets one stray tick through at most; one that lets go gives the
+        # spinner hundreds (~300 here) if the OS runs it then. A loaded machine may not, for one
+        # call of a few ms: call again until one shows it, for up to a minute.
+        while (not during or max(during) < 3) and time.monotonic() < deadline:
+            before = ticks[0]
+            module.decode_layers(*args)
+            during.append(ticks[0] - before)
     finally:
         done.set()
         sys.setswitchinterval(interval)
         thread.join()
-    assert during >= 20       # ~300 here; a call that kept the GIL lets one stray tick through at most
+    assert max(during) >= 3, during
 
 
 def test_a_module_swapped_after_the_build_diverts_steps_to_the_models_own_forward(make_engine):
