@@ -134,27 +134,24 @@ def test_magics_connect_stream_and_chat_cached_tokens(server, ip, capsys, monkey
     assert session.current().engine is None
 
 
+def _until(client, done, deadline: float):
+    """Scrape until `done(stats)` holds (or the deadline passes): the last scrape, for the caller's
+    assertions. /metrics trails the streams, so a counter is read once it has caught up."""
+    s = client.stats()
+    while not done(s) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        s = client.stats()
+    return s
+
+
 def _settled(client, deadline: float):
     """The server's gauges once nothing runs or waits: a baseline for counters. The API server
     records a step's stats just after it streams the step's tokens, so a scrape right after a
     request ended can miss its last step; that record is the one that takes the running gauge
     back to 0 (the step before it, the request still ran), so waiting for 0 waits for it."""
-    while time.monotonic() < deadline:
-        s = client.stats()
-        if s.num_running == 0 and s.num_waiting == 0:
-            return s
-        time.sleep(0.05)
-    raise AssertionError("the server still reported requests running or waiting after its deadline")
-
-
-def _until(client, done, deadline: float):
-    """Scrape until `done(stats)` holds: a counter that trails the streams reaches its value."""
-    while time.monotonic() < deadline:
-        s = client.stats()
-        if done(s):
-            return s
-        time.sleep(0.05)
-    return client.stats()
+    s = _until(client, lambda s: s.num_running == 0 and s.num_waiting == 0, deadline)
+    assert s.num_running == 0 and s.num_waiting == 0, "the server still reported requests after its deadline"
+    return s
 
 
 def test_counters_and_kv_events_add_up_after_a_run(client):
@@ -222,9 +219,8 @@ def test_gauges_move_while_requests_run(client):
     # the API server records gauges on separate threads, each of which a busy 2-core machine can
     # starve for seconds, so either may trail. The exact count is the test above; that events
     # arrive during a run is the next one.
-    while client.stats().num_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.stats().num_running == 0 and not client.live_requests()
+    assert _until(client, lambda s: s.num_running == 0, deadline).num_running == 0
+    assert not client.live_requests()
 
 
 def test_kv_events_arrive_while_a_request_runs(client):
