@@ -12,6 +12,10 @@ teacher-forces windows of the text through its prefill with `prompt_logprobs`, i
 - greedy agreement: `--continuations` greedy continuations of 128 tokens from points of the text,
   the share of positions equal to the model dtype's, and the tokens before the first difference.
 
+A second table repeats the top-1 figure with the windows shifted (`--shifts`, tokens into the text:
+other cut points, other contexts for every position) and reports each KV dtype's minimum over the
+shifts and its agreement over all of them: a figure that holds on one cut of the text only is noise.
+
 A last row calibrates those figures: the model dtype again, with prefill chunks of a different
 size (`--chunk` * 3 // 4). Nothing is quantized there; only the order of roundings changes (other
 GEMM and attention shapes), so its agreement is the model dtype's own rounding noise: ~100% in
@@ -48,6 +52,17 @@ class Teacher:
     @property
     def perplexity(self) -> float:
         return math.exp(-sum(self.logprobs) / len(self.logprobs))
+
+
+def windows_of(ids: list[int], shift: int, tokens: int, window: int) -> list[list[int]]:
+    """`tokens` tokens of the text from `shift` on, cut into windows of `window` (one-token tails dropped)."""
+    text = ids[shift:shift + tokens]
+    return [text[i:i + window] for i in range(0, len(text) - 1, window) if len(text[i:i + window]) > 1]
+
+
+def top1_agreement(ours: Teacher, base: Teacher) -> tuple[int, int]:
+    """(positions whose top-1 token is the baseline's, positions scored)."""
+    return sum(a == b for a, b in zip(ours.top1, base.top1)), len(base.top1)
 
 
 def teacher_forced(engine, windows: list[list[int]]) -> Teacher:
@@ -91,11 +106,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill chunk (max_num_batched_tokens); the last row's chunks are 3/4 of it")
     parser.add_argument("--continuations", type=at_least(1), default=4, help="greedy continuations (of --new-tokens)")
     parser.add_argument("--new-tokens", type=at_least(1), default=128, help="tokens per greedy continuation")
+    parser.add_argument("--shifts", type=at_least(1), nargs="*", default=[128, 256, 384],
+                        help="the top-1 table's other window starts, in tokens into the text (besides 0)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     loaded = load_model(None, getattr(torch, args.dtype), torch.device("cpu"))
-    ids = loaded.tokenizer(TEXT.read_text())["input_ids"][:args.tokens]
-    windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window) if len(ids[i:i + args.window]) > 1]
+    all_ids = loaded.tokenizer(TEXT.read_text())["input_ids"]
+    ids = all_ids[:args.tokens]
+    shifts = [0, *args.shifts]
+    if max(shifts) >= len(all_ids) - 1:
+        parser.error(f"--shifts: the text has {len(all_ids):,} tokens, so a shift must be below {len(all_ids) - 1:,}")
+    windows = {shift: windows_of(all_ids, shift, args.tokens, args.window) for shift in shifts}
     starts = [len(ids) * (k + 1) // (args.continuations + 1) for k in range(args.continuations)]
     prompts = [ids[max(0, s - 64):s] for s in starts]
     teach, cont, info = {}, {}, {}
@@ -105,23 +126,34 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(loaded.model, loaded.tokenizer, kv_cache_dtype=kind, max_num_batched_tokens=chunk,
                         kv_cache_memory="256MiB")
         info[name] = engine.info()
-        teach[name] = teacher_forced(engine, windows)
+        teach[name] = {shift: teacher_forced(engine, windows[shift]) for shift in shifts}
         cont[name] = greedy(engine, prompts, args.new_tokens)
         engine.check_invariants()
         engine.shutdown()
-    base = teach["auto"]
+    base = teach["auto"][0]
     print(f"CPU: {cpu_isa()}; torch {torch.__version__}, {torch.get_num_threads()} threads; embedded model in "
-          f"{args.dtype}; text {TEXT.name}: {sum(len(w) - 1 for w in windows):,} scored positions in "
-          f"{len(windows)} windows of <= {args.window}, prefill chunks of {args.chunk}; "
+          f"{args.dtype}; text {TEXT.name}: {sum(len(w) - 1 for w in windows[0]):,} scored positions in "
+          f"{len(windows[0])} windows of <= {args.window}, prefill chunks of {args.chunk}; "
           f"{args.continuations} greedy continuations of {args.new_tokens}")
     print("| KV dtype | bytes/token | blocks in 256 MiB | perplexity | vs model dtype | top-1 agreement "
           "| greedy agreement | tokens before first difference |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    labels = {name: info[name].kv_dtype if name != "floor" else
+              f"{info[name].kv_dtype}, chunks of {chunk} (rounding order alone)" for name, _, chunk in runs}
     for name, _, chunk in runs:
-        t, i = teach[name], info[name]
-        top1 = sum(a == b for a, b in zip(t.top1, base.top1)) / len(base.top1)
+        t, i = teach[name][0], info[name]
+        same, n = top1_agreement(t, base)
         share, first = agreement(cont[name], cont["auto"])
-        label = i.kv_dtype if name != "floor" else f"{i.kv_dtype}, chunks of {chunk} (rounding order alone)"
-        print(f"| {label} | {i.bytes_per_block // i.block_size:,} | {i.num_blocks:,} | {t.perplexity:.4f} | "
-              f"{t.perplexity / base.perplexity - 1:+.2%} | {top1:.2%} | {share:.2%} | {first:.1f} |")
+        print(f"| {labels[name]} | {i.bytes_per_block // i.block_size:,} | {i.num_blocks:,} | {t.perplexity:.4f} | "
+              f"{t.perplexity / base.perplexity - 1:+.2%} | {same / n:.2%} | {share:.2%} | {first:.1f} |")
+    scored = sum(len(w) - 1 for shift in shifts for w in windows[shift])
+    print(f"\nTop-1 agreement with the windows starting {', '.join(map(str, shifts))} tokens into the text "
+          f"({scored:,} positions in all):\n")
+    print(f"| KV dtype | {' | '.join(f'from {shift}' for shift in shifts)} | minimum | all |\n"
+          f"|---|{'---:|' * (len(shifts) + 2)}")
+    for name, _, _ in runs[1:]:
+        counts = [top1_agreement(teach[name][shift], teach["auto"][shift]) for shift in shifts]
+        shares = [same / n for same, n in counts]
+        pooled = sum(same for same, _ in counts) / sum(n for _, n in counts)
+        print(f"| {labels[name]} | {' | '.join(f'{x:.2%}' for x in shares)} | {min(shares):.2%} | {pooled:.2%} |")
     print(f"({time.perf_counter() - t0:.0f} s)")
     return 0

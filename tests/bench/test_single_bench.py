@@ -18,6 +18,7 @@ def test_an_unknown_system_is_refused_naming_the_valid_ones(systems):
 @pytest.mark.parametrize("argv, message", [
     (["single", "--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
     (["kvquant", "--chunk", "1"], "argument --chunk: must be at least 2, got 1"),
+    (["kvquant", "--shifts", "128", "0"], "argument --shifts: must be at least 1, got 0"),
     (["throughput", "--shapes", "1", "--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice: 'fp8'"),
     (["throughput", "--weights", "packed"], "error: --weights only act with --shapes N"),
 ])
