@@ -66,14 +66,13 @@ def write_kv_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Ten
         assert k_scale is not None and v_scale is not None and k_scale.stride() == v_scale.stride()
         assert k_scale.dtype == torch.float16 and k_scale.stride(-1) == 1 and key.dtype == value.dtype
         return KernelLaunch(
-            _write_kv_quant_kernel, (num_tokens,),
+            _write_kv_quant_kernel, (num_tokens, kv_heads),
             (key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping,
              key.stride(0), key.stride(1), value.stride(0), value.stride(1),
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale.stride(0), k_scale.stride(1)),
-            dict(KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(kv_heads),
-                 DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+            dict(HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
                  LIMIT=QUANT_LIMIT[k_cache.dtype], INT8=k_cache.dtype == torch.int8),
-            dict(num_warps=4))
+            dict(num_warps=1))          # one row of 64-256: one warp, its reductions stay in registers
     assert key.dtype == value.dtype == k_cache.dtype, "K/V must already be in the cache dtype"
     return KernelLaunch(
         _write_kv_kernel, (num_tokens,),
@@ -90,6 +89,8 @@ QUANT_LIMIT = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # 1.5 * 2**23: adding and taking it away rounds an fp32 to an integer, half to even (a constexpr:
 # the compiler reads no other globals)
 _RNE_MAGIC = tl.constexpr(12582912.0)
+# fp8's candidate scales per row: worker/kv_quant.SCALE_STEPS (a constexpr, as above)
+SCALE_STEPS = tl.constexpr(16)
 
 
 @triton.jit
@@ -107,48 +108,71 @@ def _round_e4m3(y):
 
 @triton.jit
 def _quantize_rows(x, LIMIT: tl.constexpr, INT8: tl.constexpr):
-    """`x [heads, d]` (fp32) -> (codes, fp16 scales [heads]): scale = amax / LIMIT kept within
-    float16's normal range (a row of zeros gets the smallest normal, 2**-14), codes = x / scale
-    clamped to +-LIMIT, rounded half to even (int8) or to the e4m3 grid: worker/kv_quant.py's
-    `quantize`, op for op."""
-    amax = tl.max(tl.abs(x), 1)
-    scale = tl.minimum(tl.maximum(amax / LIMIT, 6.103515625e-05), 65504.0).to(tl.float16)
-    y = x / scale.to(tl.float32)[:, None]
-    y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
+    """`x [heads, d]` (fp32) -> (codes, fp16 scales [heads]): worker/kv_quant.py's `quantize`, op
+    for op. int8: scale = amax / LIMIT kept within float16's normal range (a row of zeros gets the
+    smallest normal, 2**-14), codes = x / scale clamped to +-LIMIT, rounded half to even. fp8: the
+    same for each of SCALE_STEPS scales amax / LIMIT * (1 + j / SCALE_STEPS), codes rounded to the
+    e4m3 grid, and each row keeps the first scale whose codes read back nearest it (squared error
+    summed in fp64: every term is exact, so only two errors agreeing to ~2^-50 could part the
+    picks of this kernel's and torch's summation orders)."""
+    unit = tl.div_rn(tl.max(tl.abs(x), 1), LIMIT)     # div_rn: `/` is approximate on a GPU
     if INT8:
+        scale = tl.minimum(tl.maximum(unit, 6.103515625e-05), 65504.0).to(tl.float16)
+        y = tl.div_rn(x, scale.to(tl.float32)[:, None])
+        y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
         codes = ((y + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
     else:
-        codes = _round_e4m3(y).to(tl.float8e4nv)
+        grid, scale, error = _e4m3_candidate(x, unit, 1.0, LIMIT)
+        for j in tl.static_range(1, SCALE_STEPS):
+            grid_j, scale_j, error_j = _e4m3_candidate(x, unit, 1.0 + j / SCALE_STEPS, LIMIT)
+            better = error_j < error
+            grid = tl.where(better[:, None], grid_j, grid)
+            scale = tl.where(better, scale_j, scale)
+            error = tl.where(better, error_j, error)
+        codes = grid.to(tl.float8e4nv)
     return codes, scale
+
+
+@triton.jit
+def _e4m3_candidate(x, unit, STEP: tl.constexpr, LIMIT: tl.constexpr):
+    """One fp8 candidate scale `unit * STEP` (fp16): the codes' values on the e4m3 grid (fp32),
+    the scale, and the rows' squared error read back (fp64)."""
+    scale = tl.minimum(tl.maximum(unit * STEP, 6.103515625e-05), 65504.0).to(tl.float16)
+    y = tl.div_rn(x, scale.to(tl.float32)[:, None])
+    grid = _round_e4m3(tl.minimum(tl.maximum(y, -LIMIT), LIMIT))
+    back = grid * scale.to(tl.float32)[:, None]
+    diff = back.to(tl.float64) - x.to(tl.float64)
+    return grid, scale, tl.sum(diff * diff, 1)
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _write_kv_quant_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                            slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
-                           KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                           DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr,
-                           INT8: tl.constexpr):
-    """One program per token: quantize its key and value per KV head and store codes and scales."""
+                           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                           LIMIT: tl.constexpr, INT8: tl.constexpr):
+    """Grid (token, KV head): quantize one head's key and value row and store codes and scales.
+    (One row a program: fp8's scale search holds 16 candidates' errors, which a program holding
+    every head of a token spilled at 8 heads of 128.)"""
     token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) + tl.arange(0, 1)           # a [1] row block: _quantize_rows takes rows
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    head = tl.arange(0, HEADS_PAD)
     dim = tl.arange(0, DIM_PAD)
-    ok = (head < KV_HEADS)[:, None] & (dim < HEAD_DIM)[None, :]
+    ok = (dim < HEAD_DIM)[None, :]
     dst = block * stride_cb + offset * stride_cs + head[:, None] * stride_ch + dim[None, :]
     at = block * stride_sb + offset * stride_ss + head
     k = tl.load(key_ptr + token * stride_kt + head[:, None] * stride_kh + dim[None, :], mask=ok, other=0.0)
     codes, scale = _quantize_rows(k.to(tl.float32), LIMIT, INT8)
     tl.store(k_cache_ptr + dst, codes, mask=ok)
-    tl.store(k_scale_ptr + at, scale, mask=head < KV_HEADS)
+    tl.store(k_scale_ptr + at, scale)
     v = tl.load(value_ptr + token * stride_vt + head[:, None] * stride_vh + dim[None, :], mask=ok, other=0.0)
     codes, scale = _quantize_rows(v.to(tl.float32), LIMIT, INT8)
     tl.store(v_cache_ptr + dst, codes, mask=ok)
-    tl.store(v_scale_ptr + at, scale, mask=head < KV_HEADS)
+    tl.store(v_scale_ptr + at, scale)
 
 
 @triton.jit(do_not_specialize_on_alignment=["pairs_ptr"])

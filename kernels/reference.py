@@ -10,13 +10,31 @@ QUANT_LIMIT = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x [..., d]` -> (codes [..., d] in `dtype`, float16 scales [...]), the format's definition:
-    scale = amax / limit per row within float16's normal range (a row of zeros: 2**-14), codes =
-    x / scale clamped to +-limit, rounded half to even (int8) or cast (fp8, nearest even)."""
+    """`x [..., d]` -> (codes [..., d] in `dtype`, float16 scales [...]), the format's definition.
+    A scale `amax / limit * m` per row within float16's normal range (a row of zeros: 2**-14),
+    codes = x / scale clamped to +-limit, rounded half to even (int8) or cast (fp8, nearest even).
+    int8: m = 1. fp8: of m = 1, 1 + 1/16, ..., 1 + 15/16, the first whose codes read back with the
+    least squared error (summed in float64)."""
     limit = QUANT_LIMIT[dtype]
-    amax = x.float().abs().amax(-1)
+    unit = x.float().abs().amax(-1) / limit
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    for m in ([1.0] if dtype == torch.int8 else [1 + j / 16 for j in range(16)]):
+        codes, scale = _codes(x, unit * m, dtype)
+        error = (dequantize(codes, scale).double() - x.double()).square().sum(-1)
+        if best is None:
+            best = codes, scale, error
+        else:
+            better = error < best[2]
+            best = (torch.where(better.unsqueeze(-1), codes.view(torch.uint8), best[0].view(torch.uint8)).view(dtype),
+                    torch.where(better, scale, best[1]), torch.where(better, error, best[2]))
+    return best[0], best[1]
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of `x` under the scales `scale [...]` (float32, rounded to float16 here)."""
+    limit = QUANT_LIMIT[dtype]
     fp16 = torch.finfo(torch.float16)
-    scale = (amax / limit).clamp(fp16.tiny, fp16.max).to(torch.float16)
+    scale = scale.clamp(fp16.tiny, fp16.max).to(torch.float16)
     y = (x.float() / scale.float().unsqueeze(-1)).clamp(-limit, limit)
     return (y.round() if dtype == torch.int8 else y).to(dtype), scale
 

@@ -10,14 +10,29 @@ LIMIT = {"int8": 127.0, "fp8_e4m3": 448.0}
 
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (codes [..., d], float16 scales [...]): scale = amax / limit within float16's
-    normal range (2**-14 where amax is 0), codes = x / scale clamped to the code range, rounded
-    (int8) or cast (fp8)."""
+    """x [..., d] -> (codes [..., d], float16 scales [...]). int8: scale = amax / 127 within
+    float16's normal range (2**-14 where amax is 0), codes = x / scale clamped to the code range and
+    rounded. fp8: of the 16 scales amax / 448 * (1 + j / 16), the first whose codes (x / scale
+    clamped and cast) read back with the least squared error, summed in float64."""
     amax = x.float().abs().amax(-1)
-    scale = (amax / LIMIT[kind]).clamp(2.0 ** -14, 65504.0).to(torch.float16)
+    if kind == "int8":
+        return _codes(x, (amax / LIMIT[kind]).clamp(2.0 ** -14, 65504.0).to(torch.float16), kind)
+    best = None
+    for j in range(16):
+        codes, scale = _codes(x, (amax / LIMIT[kind] * (1 + j / 16)).clamp(2.0 ** -14, 65504.0).to(torch.float16), kind)
+        error = (dequantize(codes, scale).double() - x.double()).square().sum(-1)
+        if best is None:
+            best = codes, scale, error
+            continue
+        better = error < best[2]
+        best = (torch.where(better.unsqueeze(-1), codes.view(torch.uint8), best[0].view(torch.uint8)).view(codes.dtype),
+                torch.where(better, scale, best[1]), torch.where(better, error, best[2]))
+    return best[0], best[1]
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     y = (x.float() / scale.float().unsqueeze(-1)).clamp(-LIMIT[kind], LIMIT[kind])
-    codes = y.round().to(torch.int8) if kind == "int8" else y.to(torch.float8_e4m3fn)
-    return codes, scale
+    return (y.round().to(torch.int8) if kind == "int8" else y.to(torch.float8_e4m3fn)), scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

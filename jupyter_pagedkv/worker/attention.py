@@ -109,10 +109,14 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 def write_kv_quantized(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                        key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata) -> None:
-    """`write_kv` for a quantized cache (kv_quant.py): rows with slot -1 are not written."""
-    kind = meta.kv_cache.spec.kv_cache_dtype
+    """`write_kv` for a quantized cache (kv_quant.py): rows with slot -1 are not written; in C++
+    where the plan loaded it (the same codes and scales)."""
     key, value, slots = valid_rows(key, value, meta.slot_mapping, meta.all_slots_valid)
-    write_quantized(k_cache, v_cache, k_scale, v_scale, key, value, slots, kind)
+    if meta.kv_write is not None:
+        meta.kv_write(k_cache, k_scale, key, slots)
+        meta.kv_write(v_cache, v_scale, value, slots)
+        return
+    write_quantized(k_cache, v_cache, k_scale, v_scale, key, value, slots, meta.kv_cache.spec.kv_cache_dtype)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -73,6 +73,7 @@ class ModelRunner:
         self.lean: LeanForward | None = config.kernels.lean
         # Given to every step, whichever loop runs it, so decode rows are attended by one code.
         self.decode_kernel = config.kernels.decode
+        self.kv_write = config.kernels.kv_write
         self.prefill_kernel = config.kernels.prefill
         self.last_forward_s = 0.0      # host wall time of the last model call
         self.last_prepare_s = 0.0      # block copies, swaps and input building before it
@@ -154,6 +155,7 @@ class ModelRunner:
             all_slots_valid=bool((slot_mapping >= 0).all()),
             prefill_kernel=self.prefill_kernel,
             decode_kernel=self.decode_kernel,
+            kv_write=self.kv_write,
         )
         nd = step.num_decode
         if nd:

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "decode_attention.h"
+#include "kv_quantize.h"
 #include "quant_gemm.h"
 #include "row_loops.h"
 
@@ -55,17 +56,25 @@ at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps) {
 }
 
 // Store x [T, kv_heads, d] at `slots` of one layer's quantized cache (int8 or float8_e4m3fn
-// codes) and its float16 scales [blocks, block_size, kv_heads]: kv_quant.quantize and
-// write_quantized, op for op, so the codes and scales are the lean loop's bit for bit.
+// codes) and its float16 scales [blocks, block_size, kv_heads]: kv_quant.write_quantized's codes
+// and scales bit for bit (int8 with kv_quant.quantize's ATen ops, fp8's scale search in
+// kv_quantize.cpp). Also the torch path's write where this module is loaded (attention.py).
 void write_quantized(const at::Tensor& cache, const at::Tensor& scales, const at::Tensor& x, const at::Tensor& slots) {
+  TORCH_CHECK(cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn,
+              "write_quantized: an int8 or float8_e4m3fn cache layer");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && slots.scalar_type() == at::kLong && x.dim() == 3 &&
+                  x.size(1) == cache.size(-2) && x.size(2) == cache.size(-1) && slots.numel() == x.size(0),
+              "write_quantized: float16 scales, int64 slots, x [T, kv_heads, d] matching the cache");
+  TORCH_CHECK(cache.is_cpu() && scales.is_cpu() && x.is_cpu() && slots.is_cpu(), "write_quantized: CPU tensors");
   const int64_t kv_heads = cache.size(-2), d = cache.size(-1);
-  const bool int8 = cache.scalar_type() == at::kChar;
-  const double qmax = int8 ? 127.0 : 448.0;
-  auto xf = x.to(at::kFloat);
-  auto amax = xf.abs().amax(-1);
-  auto scale = (amax / qmax).clamp(6.103515625e-05, 65504.0).to(at::kHalf);   // float16's tiny and max
-  auto scaled = (xf / scale.to(at::kFloat).unsqueeze(-1)).clamp(-qmax, qmax);
-  auto q = int8 ? scaled.round().to(at::kChar) : scaled.to(at::kFloat8_e4m3fn);
+  at::Tensor q, scale;
+  if (cache.scalar_type() == at::kChar) {
+    auto xf = x.to(at::kFloat);
+    scale = (xf.abs().amax(-1) / 127.0).clamp(6.103515625e-05, 65504.0).to(at::kHalf);  // float16's tiny, max
+    q = (xf / scale.to(at::kFloat).unsqueeze(-1)).clamp(-127.0, 127.0).round().to(at::kChar);
+  } else {
+    std::tie(q, scale) = quantize_fp8_rows(x);
+  }
   // index_copy_ has no float8 kernel on the CPU: the bytes are copied (a bit-exact move).
   cache.view({-1, kv_heads, d}).view(at::kByte).index_copy_(0, slots, q.view(at::kByte));
   scales.view({-1, kv_heads}).index_copy_(0, slots, scale);
@@ -328,7 +337,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_rows", &gated_rows, "silu(gate) * up of gate_up [T, 2 intermediate]",
         py::call_guard<py::gil_scoped_release>());
   m.def("row_loops_avx2", [](bool allow) { return pkv_rows::allow_avx2.exchange(allow); },
-        "whether the row loops may run their AVX2 build (tests compare it with the baseline one); returns the old setting");
+        "whether the row loops (and kv_quantize's AVX-512 build) may run their vector builds (tests compare "
+        "them with the baseline one); returns the old setting");
+  m.def("write_quantized", &write_quantized, "x [T, kv_heads, d] into a quantized cache layer's slots, with scales",
+        py::arg("cache"), py::arg("scales"), py::arg("x"), py::arg("slots"), py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_fp8_rows", &quantize_fp8_rows, "fp8 codes and searched float16 scales of x [..., d] (tests)",
+        py::call_guard<py::gil_scoped_release>());
   // k_scale / v_scale: a quantized cache's scales (decode_attention.h), None for the model dtype's.
   m.def("paged_decode_attention", &paged_decode_attention, "decode rows attending over their own blocks in place",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("lens"),

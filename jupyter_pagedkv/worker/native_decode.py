@@ -36,8 +36,8 @@ from .quant_linear import DENSE_FROM_ROWS, QuantLinear, QuantStack
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("native_decode.cpp", "decode_attention.cpp", "quant_gemm.cpp",
-                                                    "quant_dot.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("native_decode.cpp", "decode_attention.cpp", "kv_quantize.cpp",
+                                                    "quant_gemm.cpp", "quant_dot.cpp")]
 # -O3 vectorises the attention kernel's loops; no fused multiply-adds, so each of its ISA variants
 # rounds exactly as the others do; OpenMP, or at::parallel_for (a header template) runs on one thread.
 _EXTENSION = LazyModule("jupyter_pagedkv_native_decode", SOURCES, "the C++ step loop", "step_loop='lean'",

@@ -66,6 +66,7 @@ class PagedMetadata:
     # which decode rows read their blocks in place instead of a padded gathered copy.
     prefill_kernel: object | None = None
     decode_kernel: Callable | None = None
+    kv_write: Callable | None = None    # a quantized cache's C++ write (plan.Kernels.kv_write)
 
     def decode_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode rows' visibility mask over their padded keys (`decode_block_tables` wide) and

@@ -29,6 +29,9 @@ def test_the_cpp_kernels_read_a_quantized_cache_and_give_the_torch_paths_tokens(
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == expected
     plan = engine._runner.plan
     assert plan.decode_attention.choice == "native", plan.decode_attention
+    # the cache is written in C++ (kv_quantize.cpp) beside the C++ decode kernel; the torch path's
+    # engine writes with kv_quant's ATen ops, so the tokens' equality checks the two writes too
+    assert engine._runner.kv_write is not None and torch_path._runner.kv_write is None
     # the prefill kernel needs AVX-512 (fp32): elsewhere the plan says so and SDPA runs
     assert plan.prefill_attention.choice == "native" or "AVX-512" in plan.prefill_attention.reason
     loop = engine._runner.lean.native if engine._runner.lean is not None else None

@@ -74,7 +74,15 @@ def facts(tmp_path_factory):
         small = dict(variants.model_launches(variants.AttentionShape(4, 2, 16, torch.float32, 16),
                                              "meta", interpreted=False))["decode"]
         compiled = check.compile_launch(small, 90)
+        # the quantized cache's write for sm_90 (the interpreter runs Python: only the compiler
+        # refuses what Triton cannot lower, and only the compiler counts its registers)
+        writes = [check.compile_launch(dict(variants.model_launches(
+                      variants.AttentionShape(heads, kv_heads, head_dim, torch.bfloat16, 16, kv_dtype=codes),
+                      "meta", interpreted=False))["write_kv"], 90)
+                  for heads, kv_heads, head_dim in [(9, 3, 64), (32, 8, 128)]
+                  for codes in (torch.int8, torch.float8_e4m3fn)]
         print(json.dumps({"keys": len(keys),
+                          "writes": [[w.dtype, w.config, check.failures(w)] for w in writes],
                           "split_differs": key(roles["decode"]) != key(roles["decode split"]),
                           "per_model": len({repr(key(l)) for l in roles.values()}),
                           "after": [check.variants_after(m) for m in check.NAMED],
@@ -82,6 +90,13 @@ def facts(tmp_path_factory):
                           "compiled": {**dataclasses.asdict(compiled), "failures": check.failures(compiled)}}))
         """, tmp_path_factory.mktemp("compile"))
     return found
+
+
+def test_the_quantized_caches_write_compiles_for_sm90_without_spilling(facts):
+    """int8 and fp8 codes at the embedded model's heads (3 x 64) and Llama-3-8B's (8 x 128); fp8's
+    scale search keeps 16 candidates' errors per row, which a program per token spilled at 8 x 128."""
+    assert [dtype for dtype, _, _ in facts["writes"]] == ["bfloat16/int8", "bfloat16/fp8"] * 2
+    assert all(failures == [] for _, _, failures in facts["writes"]), facts["writes"]
 
 
 def test_split_count_batch_group_block_size_and_input_offsets_do_not_change_the_compiled_kernel(facts):
