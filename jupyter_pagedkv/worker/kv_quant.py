@@ -17,7 +17,8 @@ row (least squared error; every term is exact and the sum is taken in float64, s
 that sum in another order pick the same one unless two errors agree to ~2^-50). Measured by a
 scratch script on the embedded model's own K/V, it cuts the squared error by 27%; top-1 agreement with
 the bf16 model over four cuts of `bench kvquant`'s text went from 96.80-96.94% to 97.21-97.43%
-(docs/benchmarks.md). int8's uniform grid gains far less from a scale that is not the absmax's.
+(docs/benchmarks.md). int8 keeps the absmax's scale: its grid is uniform, so a larger scale only
+coarsens it for every element (and a smaller one clips the largest).
 """
 from __future__ import annotations
 
