@@ -117,9 +117,7 @@ def _quantize_rows(x, LIMIT: tl.constexpr, INT8: tl.constexpr):
     picks of this kernel's and torch's summation orders)."""
     unit = tl.div_rn(tl.max(tl.abs(x), 1), LIMIT)     # div_rn: `/` is approximate on a GPU
     if INT8:
-        scale = tl.minimum(tl.maximum(unit, 6.103515625e-05), 65504.0).to(tl.float16)
-        y = tl.div_rn(x, scale.to(tl.float32)[:, None])
-        y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
+        y, scale = _scaled(x, unit, 1.0, LIMIT)
         codes = ((y + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
     else:
         grid, scale, error = _e4m3_candidate(x, unit, 1.0, LIMIT)
@@ -134,12 +132,20 @@ def _quantize_rows(x, LIMIT: tl.constexpr, INT8: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, unit, STEP: tl.constexpr, LIMIT: tl.constexpr):
+    """The scale `unit * STEP` within float16's normal range, rounded to fp16, and x / scale
+    clamped to +-LIMIT (float16's rounding may push a row's largest value past it)."""
+    scale = tl.minimum(tl.maximum(unit * STEP, 6.103515625e-05), 65504.0).to(tl.float16)
+    y = tl.div_rn(x, scale.to(tl.float32)[:, None])
+    return tl.minimum(tl.maximum(y, -LIMIT), LIMIT), scale
+
+
+@triton.jit
 def _e4m3_candidate(x, unit, STEP: tl.constexpr, LIMIT: tl.constexpr):
     """One fp8 candidate scale `unit * STEP` (fp16): the codes' values on the e4m3 grid (fp32),
     the scale, and the rows' squared error read back (fp64)."""
-    scale = tl.minimum(tl.maximum(unit * STEP, 6.103515625e-05), 65504.0).to(tl.float16)
-    y = tl.div_rn(x, scale.to(tl.float32)[:, None])
-    grid = _round_e4m3(tl.minimum(tl.maximum(y, -LIMIT), LIMIT))
+    y, scale = _scaled(x, unit, STEP, LIMIT)
+    grid = _round_e4m3(y)
     back = grid * scale.to(tl.float32)[:, None]
     diff = back.to(tl.float64) - x.to(tl.float64)
     return grid, scale, tl.sum(diff * diff, 1)

@@ -59,25 +59,34 @@ def quantize(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.
     xf = x.float()
     unit = xf.abs().amax(dim=-1) / qmax
     if dtype == torch.int8:
-        scale = unit.clamp(_TINY, _HUGE).to(SCALE_DTYPE)
+        scale = _scale(unit, 1.0)
         return _codes(xf, scale, qmax).round().to(dtype), scale
-    best = None                 # (codes, scale, squared error) of the best candidate so far
-    for j in range(SCALE_STEPS):            # one candidate at a time: ~3x the row's memory, not 16x
-        scale = (unit * (1.0 + j / SCALE_STEPS)).clamp(_TINY, _HUGE).to(SCALE_DTYPE)
-        codes = _codes(xf, scale, qmax).to(dtype)
-        error = (dequantize(codes, scale, torch.float32).double() - xf.double()).square().sum(-1)
-        if best is None:
-            best = codes, scale, error
-            continue
-        better = error < best[2]        # strictly: the first of equals stays, as in every implementation
-        best = (torch.where(better.unsqueeze(-1), codes.view(torch.uint8), best[0].view(torch.uint8)).view(dtype),
-                torch.where(better, scale, best[1]), torch.where(better, error, best[2]))
-    return best[0], best[1]
+    codes, scale, error = _fp8_candidate(xf, unit, 1.0)
+    for j in range(1, SCALE_STEPS):        # one candidate at a time: ~3x the row's memory, not 16x
+        c, s, e = _fp8_candidate(xf, unit, 1.0 + j / SCALE_STEPS)
+        better = e < error              # strictly: the first of equals stays, as in every implementation
+        codes = torch.where(better.unsqueeze(-1), c.view(torch.uint8), codes.view(torch.uint8)).view(c.dtype)
+        scale, error = torch.where(better, s, scale), torch.where(better, e, error)
+    return codes, scale
+
+
+def _scale(unit: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """`unit * multiplier` within float16's normal range, rounded to float16."""
+    return (unit * multiplier).clamp(_TINY, _HUGE).to(SCALE_DTYPE)
 
 
 def _codes(xf: torch.Tensor, scale: torch.Tensor, qmax: float) -> torch.Tensor:
     """`xf / scale`, clamped to the codes' range (float16 rounding may push a scale's row past it)."""
     return (xf / scale.float().unsqueeze(-1)).clamp(-qmax, qmax)
+
+
+def _fp8_candidate(xf: torch.Tensor, unit: torch.Tensor, multiplier: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One fp8 candidate: (codes, scale, each row's squared error read back, in float64)."""
+    dtype, qmax = STORAGE["fp8_e4m3"]
+    scale = _scale(unit, multiplier)
+    codes = _codes(xf, scale, qmax).to(dtype)
+    return codes, scale, (dequantize(codes, scale, torch.float32).double() - xf.double()).square().sum(-1)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

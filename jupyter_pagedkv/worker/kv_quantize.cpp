@@ -78,8 +78,11 @@ PKV_ROWS_INLINE uint8_t e4m3_code(float g) {
 
 // The element's error read back, squared: torch's (back.double() - x.double()).square(). The
 // difference is taken in float, where it is exact (back is within a factor 2 of x, or 0).
+// x / scale within the codes' range (float16's rounding of a scale may push the largest past 448).
+PKV_ROWS_INLINE float scaled(float x, float scale) { return clamp(x / scale, -kLimit, kLimit); }
+
 PKV_ROWS_INLINE double squared(const float* x, int64_t i, float scale) {
-  const float back = round_e4m3(clamp(x[i] / scale, -kLimit, kLimit)) * scale;
+  const float back = round_e4m3(scaled(x[i], scale)) * scale;
   const double diff = static_cast<double>(back - x[i]);
   return diff * diff;
 }
@@ -110,13 +113,12 @@ PKV_ROWS_INLINE void quantize_row(const float* x, int64_t runtime_d, uint8_t* co
     amax = ((a > amax) | (a != a)) ? a : amax;          // torch's amax propagates NaN
   }
   const float unit = amax / kLimit;
+  float best = candidate(unit, 0);
   if (amax != amax) {       // a NaN in the row: torch's NaN scale and x / NaN codes, through c10's casts
-    const float nan_scale = candidate(unit, 0);
-    for (int64_t i = 0; i < d; ++i) codes[i] = c10::Float8_e4m3fn(clamp(x[i] / nan_scale, -kLimit, kLimit)).x;
-    *scale_out = c10::Half(nan_scale);
+    for (int64_t i = 0; i < d; ++i) codes[i] = c10::Float8_e4m3fn(scaled(x[i], best)).x;
+    *scale_out = c10::Half(best);
     return;
   }
-  float best = candidate(unit, 0);
   double least = squared_error<D>(x, d, best, sq);
   for (int j = 1; j < kSteps; ++j) {
     const float s = candidate(unit, j);
@@ -126,8 +128,7 @@ PKV_ROWS_INLINE void quantize_row(const float* x, int64_t runtime_d, uint8_t* co
       best = s;
     }
   }
-  const float scale = best;
-  for (int64_t i = 0; i < d; ++i) codes[i] = e4m3_code(round_e4m3(clamp(x[i] / scale, -kLimit, kLimit)));
+  for (int64_t i = 0; i < d; ++i) codes[i] = e4m3_code(round_e4m3(scaled(x[i], best)));
   *scale_out = c10::Half(best);                          // exact: best is a float16 value
 }
 
