@@ -115,7 +115,11 @@ def _quantize_rows(x, LIMIT: tl.constexpr, INT8: tl.constexpr):
     e4m3 grid, and each row keeps the first scale whose codes read back nearest it (squared error
     summed in fp64: every term is exact, so only two errors agreeing to ~2^-50 could part the
     picks of this kernel's and torch's summation orders)."""
-    unit = tl.div_rn(tl.max(tl.abs(x), 1), LIMIT)     # div_rn: `/` is approximate on a GPU
+    a = tl.abs(x)
+    # torch's amax propagates a NaN, a GPU's max.f32 drops it: a row holding one gets a NaN scale
+    # (and NaN fp8 codes), so it reads back NaN in every path instead of as finite values
+    amax = tl.where(tl.max((a != a).to(tl.int32), 1) > 0, float("nan"), tl.max(a, 1))
+    unit = tl.div_rn(amax, LIMIT)                      # div_rn: `/` is approximate on a GPU
     if INT8:
         y, scale = _scaled(x, unit, 1.0, LIMIT)
         codes = ((y + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
@@ -134,10 +138,13 @@ def _quantize_rows(x, LIMIT: tl.constexpr, INT8: tl.constexpr):
 @triton.jit
 def _scaled(x, unit, STEP: tl.constexpr, LIMIT: tl.constexpr):
     """The scale `unit * STEP` within float16's normal range, rounded to fp16, and x / scale
-    clamped to +-LIMIT (float16's rounding may push a row's largest value past it)."""
-    scale = tl.minimum(tl.maximum(unit * STEP, 6.103515625e-05), 65504.0).to(tl.float16)
+    clamped to +-LIMIT (float16's rounding may push a row's largest value past it). Both clamps
+    keep a NaN, as torch's clamp does."""
+    scale = tl.minimum(tl.maximum(unit * STEP, 6.103515625e-05, propagate_nan=tl.PropagateNan.ALL),
+                       65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     y = tl.div_rn(x, scale.to(tl.float32)[:, None])
-    return tl.minimum(tl.maximum(y, -LIMIT), LIMIT), scale
+    return tl.minimum(tl.maximum(y, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                      propagate_nan=tl.PropagateNan.ALL), scale
 
 
 @triton.jit

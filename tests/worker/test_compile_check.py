@@ -81,8 +81,16 @@ def facts(tmp_path_factory):
                       "meta", interpreted=False))["write_kv"], 90)
                   for heads, kv_heads, head_dim in [(9, 3, 64), (32, 8, 128)]
                   for codes in (torch.int8, torch.float8_e4m3fn)]
+        # the fp8 write's PTX: which min/max instructions its clamps became
+        import re, triton
+        fp8_write = dict(variants.model_launches(variants.AttentionShape(9, 3, 64, torch.bfloat16, 16,
+                                                                         kv_dtype=torch.float8_e4m3fn),
+                                                 "meta", interpreted=False))["write_kv"]
+        _, src, options = check._binding(fp8_write, GPUTarget("cuda", 90, 32))
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options.__dict__).asm["ptx"]
         print(json.dumps({"keys": len(keys),
                           "writes": [[w.dtype, w.config, check.failures(w)] for w in writes],
+                          "write_min_max": sorted(set(re.findall(r"(?:min|max)[.a-zA-Z0-9]*f32", ptx))),
                           "split_differs": key(roles["decode"]) != key(roles["decode split"]),
                           "per_model": len({repr(key(l)) for l in roles.values()}),
                           "after": [check.variants_after(m) for m in check.NAMED],
@@ -97,6 +105,13 @@ def test_the_quantized_caches_write_compiles_for_sm90_without_spilling(facts):
     scale search keeps 16 candidates' errors per row, which a program per token spilled at 8 x 128."""
     assert [dtype for dtype, _, _ in facts["writes"]] == ["bfloat16/int8", "bfloat16/fp8"] * 2
     assert all(failures == [] for _, _, failures in facts["writes"]), facts["writes"]
+
+
+def test_the_quantized_caches_write_keeps_a_nan_on_a_gpu_as_torch_does(facts):
+    """A GPU's plain max.f32/min.f32 return the other operand for a NaN; torch's amax and clamp keep
+    it. The fp8 write's clamps must be the NaN-propagating forms, and its absmax is flagged by a
+    separate NaN test, so its one plain max.f32 (the reduction) cannot hide a NaN row."""
+    assert facts["write_min_max"] == ["max.NaN.f32", "max.f32", "min.NaN.f32"], facts["write_min_max"]
 
 
 def test_split_count_batch_group_block_size_and_input_offsets_do_not_change_the_compiled_kernel(facts):
