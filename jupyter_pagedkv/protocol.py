@@ -8,7 +8,7 @@ view written against it draws a server exactly as it draws the kernel's own engi
 from __future__ import annotations
 
 import queue
-from typing import Any, Callable, Iterable, Iterator, Protocol, Self, Sequence, runtime_checkable
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, Self, Sequence, runtime_checkable
 
 from .core.miss_report import MissReport, PrefixLedger
 from .core.sampling_params import SamplingParams
@@ -35,6 +35,9 @@ class EngineClient(Protocol):
                     tenant: str | None = None) -> str:
         """Queue one request; its StreamDeltas go to `listener`. Bad input: ValueError, one line.
         `tenant` names who sent it (prefix isolation under prefix_cache_scope="tenant")."""
+
+    def admission(self) -> ContextManager:
+        """Requests added inside `with client.admission():` start together (GenerationFront)."""
 
     def abort(self, request_id: str) -> bool:
         """Cancel a live request and free what it holds; False if it was not live."""

@@ -9,8 +9,9 @@ step's outputs), `_handle(request_id)` (an object with a `done` Event and an `er
 """
 from __future__ import annotations
 
+import contextlib
 import queue
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, ContextManager, Iterator, Sequence as Seq
 
 from ..core.sampling_params import SamplingParams, is_int, show
 from .outputs import RequestOutput, StreamDelta
@@ -66,6 +67,13 @@ def param_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> l
 
 class GenerationFront:
     """The high-level calls; see the module docstring for what a host must provide."""
+
+    def admission(self) -> ContextManager:
+        """`with host.admission():` the requests added inside join together: the local engine
+        holds its lock, so no step runs between two of them and a cell's prompts start in one
+        step (the stepping thread may otherwise take the lock back for several steps in a row);
+        a server admits each request as it arrives, so there it changes nothing."""
+        return contextlib.nullcontext()
 
     def _advance(self) -> None:
         """One step for a caller that reads results from the handles and listeners, not from the
@@ -126,8 +134,9 @@ class GenerationFront:
         """Add every request, or none: a rejected one aborts those already added."""
         ids: list[str] = []
         try:
-            for p, sp, prio in zip(prompts, params, priorities or [0] * len(prompts)):
-                ids.append(self.add_request(p, sp, priority=prio, tenant=tenant))
+            with self.admission():
+                for p, sp, prio in zip(prompts, params, priorities or [0] * len(prompts)):
+                    ids.append(self.add_request(p, sp, priority=prio, tenant=tenant))
         except BaseException:
             for rid in ids:
                 self.abort(rid)

@@ -116,14 +116,15 @@ class CellRun:
         return [p.request_id for p in self.panels]
 
     def submit(self, prompts: Sequence, params: SamplingParams) -> list[str]:
-        """Add every prompt; if one is rejected (ValueError), abort the ones already added."""
+        """Add every prompt, together; if one is rejected (ValueError), abort the ones already added."""
         try:
             beams = getattr(params, "beam_width", None)
             n, kind = (beams, "beam") if beams else (getattr(params, "n", 1) or 1, "sample")
-            for prompt, label in zip(prompts, self._labels):
-                rid = self.engine.add_request(prompt, params, priority=self.priority, listener=self.queue,
-                                              tenant=self.tenant)
-                self.panels.append(Panel(rid, label, num_samples=n, kind=kind))
+            with self.engine.admission():      # the cell's prompts start in the same step
+                for prompt, label in zip(prompts, self._labels):
+                    rid = self.engine.add_request(prompt, params, priority=self.priority,
+                                                  listener=self.queue, tenant=self.tenant)
+                    self.panels.append(Panel(rid, label, num_samples=n, kind=kind))
         except BaseException:
             self.abort()
             raise

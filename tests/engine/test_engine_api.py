@@ -46,11 +46,34 @@ def test_background_thread_serves_concurrent_callers(make_engine):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join()        # bounded by pytest-timeout, not by a guess at how slow the machine is
     streamed = [t for d in engine.stream(PROMPTS[1], GREEDY) for t in d.token_ids]
     engine.stop()
     assert [results[i] for i in range(3)] == expected
     assert streamed == expected[1]
+
+
+def test_requests_added_under_admission_start_in_the_same_step(make_engine):
+    """`with engine.admission():` holds the engine's lock, so the background loop cannot take a
+    step between two adds (it may otherwise win the lock back for several steps in a row): all
+    three prompts are in its first step, as a cell's prompts and a `generate` list are. Between
+    two adds the test gives the loop half a second to step: it cannot (without the hold it would,
+    and its first step would hold one prompt)."""
+    engine = make_engine(MODEL)
+    engine.trace = []
+    stepped = threading.Event()
+    engine.add_step_listener(stepped.set)
+    engine.start()
+    try:
+        with engine.admission():
+            ids = []
+            for p in PROMPTS:
+                ids.append(engine.add_request(p, GREEDY))
+                assert not stepped.wait(0.5)
+        assert all(engine._handle(rid).done.wait(600) for rid in ids)
+    finally:
+        engine.stop()
+    assert {chunk[0] for chunk in engine.trace[0].chunks} == set(ids)
 
 
 def test_abort_frees_blocks_at_once_and_reports_abort(make_engine):

@@ -5,6 +5,7 @@ prefix of a Markdown answer as it would stream in.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -152,6 +153,8 @@ def test_beams_are_labelled_as_beams_best_first():
     from jupyter_pagedkv.core.sampling_params import BeamSearchParams
 
     class Engine:
+        admission = staticmethod(contextlib.nullcontext)   # EngineClient.admission
+
         def add_request(self, prompt, params, request_id=None, priority=0, listener=None, tenant=None):
             return "req-1"
     run = CellRun(Engine(), ["[1] p"])
@@ -203,6 +206,8 @@ class PausingEngine:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.listener = None
+
+    admission = staticmethod(contextlib.nullcontext)   # EngineClient.admission
 
     def add_request(self, prompt, params, request_id=None, priority=0, listener=None, tenant=None):
         self.listener = listener

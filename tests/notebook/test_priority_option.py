@@ -2,6 +2,8 @@
 value is one UsageError line, and `%pagedkv load` offers the third policy; no model needed."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from IPython.core.error import UsageError
 
@@ -18,6 +20,8 @@ class Recorder:
 
     def __init__(self):
         self.calls = []
+
+    admission = staticmethod(contextlib.nullcontext)   # EngineClient.admission
 
     def add_request(self, prompt, params, request_id=None, priority=0, listener=None, tenant=None):
         self.calls.append((prompt, priority, tenant))
