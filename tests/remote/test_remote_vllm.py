@@ -144,6 +144,16 @@ def _until(client, done, deadline: float):
     return s
 
 
+def _events_reach(client, count: int, deadline: float) -> int:
+    """The KV-event block count once it reaches `count` (or the deadline passes) and the stream is
+    then quiet: the publisher can trail the requests by more than any quiet spell, so the wait is
+    for the count, and the quiet spell after it catches anything extra."""
+    while client.events.snapshot().num_blocks != count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.events.wait_quiet()
+    return client.events.snapshot().num_blocks
+
+
 def _settled(client, deadline: float):
     """The server's gauges once nothing runs or waits: a baseline for counters. The API server
     records a step's stats just after it streams the step's tokens, so a scrape right after a
@@ -157,10 +167,9 @@ def _settled(client, deadline: float):
 def test_counters_and_kv_events_add_up_after_a_run(client):
     """16 requests of NEW tokens to the end: the token, query and finish counters move by exactly
     what was asked, and once the event stream is quiet it has published every full block once."""
-    client.reset_prefix_cache()     # the server runs with VLLM_SERVER_DEV_MODE=1 for this
-    client.events.wait_quiet()
-    assert client.events.snapshot().num_blocks == 0
     deadline = time.monotonic() + 600
+    client.reset_prefix_cache()     # the server runs with VLLM_SERVER_DEV_MODE=1 for this
+    assert _events_reach(client, 0, deadline) == 0
     before = _settled(client, deadline)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     handles = [client._handle(client.add_request(p, params)) for p in _prompts()]
@@ -174,9 +183,8 @@ def test_counters_and_kv_events_add_up_after_a_run(client):
     assert after.prefix_cache_queries - before.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in outs)
     # Every full block (prompt + output, less the last token whose KV is never computed) was
     # published once; the prompts share no full block.
-    client.events.wait_quiet()
     expected = sum((len(o.prompt_token_ids) + NEW - 1) // BLOCK for o in outs)
-    assert client.events.snapshot().num_blocks == expected
+    assert _events_reach(client, expected, deadline) == expected
     snap = client.pool_snapshot()
     assert snap["states"].count("cached") == expected and snap["num_blocks"] == after.num_blocks
     # What the widget and the side panel draw ends on the same map.
