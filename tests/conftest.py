@@ -49,10 +49,14 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_collection_modifyitems(items):
     """A notebook runs all its cells as one nbval item each, in one kernel started by the first:
-    they get the long limit the browser and server tests have (pytest-timeout)."""
+    they get the long limit the browser and server tests have (pytest-timeout). nbval fails a
+    cell whose kernel sends nothing on iopub for 5 s after its reply (its `output_timeout`); a
+    starved kernel may, so each cell waits up to 120 s (the cell's own time limit is separate)."""
     for item in items:
         if item.nodeid.split("::")[0].endswith(".ipynb"):
             item.add_marker(pytest.mark.timeout(1200))
+            if hasattr(item, "output_timeout"):
+                item.output_timeout = 120
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -175,7 +179,10 @@ def embedded():
 
 @pytest.fixture
 def make_engine():
-    """Build engines (64 MiB of KV unless told) and stop their background loops when the test ends."""
+    """Build engines (64 MiB of KV unless told) and stop their background loops when the test ends.
+    Speculation is sized without wall-clock measurements (StepCost, which follows the machine's
+    load): every draft length keeps its assumed cost, so what is drafted, kept and rejected
+    depends on the tokens alone and a test's counts replay on any machine, busy or not."""
     from jupyter_pagedkv import Engine
 
     engines = []
@@ -183,6 +190,7 @@ def make_engine():
     def make(model, tokenizer=None, **kwargs):
         kwargs.setdefault("kv_cache_memory", "64MiB")
         engine = Engine(model, tokenizer, **kwargs)
+        engine._speculator.cost.observe = lambda num_tokens, seconds: None
         engines.append(engine)
         return engine
 

@@ -40,7 +40,7 @@ def test_a_hanging_test_fails_at_its_limit(tmp_path):
                                    "def test_hangs():\n    threading.Event().wait()\n", "-o", "timeout=5")
     # Its limit counts the test's set-up too: on a loaded machine it may strike there (an error).
     assert rc == 1 and "Timeout (>5.0s) from pytest-timeout" in out and ("1 failed" in out or "1 error" in out), out
-    assert time.monotonic() - start < 120
+    assert time.monotonic() - start < 300     # cut at its 5 s limit, not left to hang
 
 
 @pytest.mark.parametrize("skip", ["pytest.importorskip('no_such_module_here')",

@@ -57,20 +57,27 @@ class Pusher:
     def __init__(self, comm, interval: float, get_engine: GetEngine) -> None:
         self.comm, self.interval, self.get_engine = comm, interval, get_engine
         self.stopped = threading.Event()
+        self._sending = threading.RLock()    # a send and stop() exclude each other
         self.thread = threading.Thread(target=self._run, daemon=True, name="pagedkv-monitor")
         self.thread.start()
 
     def _run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
-                self.comm.send({"response": "snapshot", **snapshot(self.get_engine())})
+                message = {"response": "snapshot", **snapshot(self.get_engine())}
+                with self._sending:
+                    if self.stopped.is_set():
+                        return
+                    self.comm.send(message)
             except Exception:   # the comm is gone: nobody to push to
                 logger.info("monitor channel: stopped pushing snapshots (the comm failed)", exc_info=True)
                 return
 
     def stop(self) -> None:
-        """Stop and wait for the thread, so nothing is pushed after the caller's next message."""
-        self.stopped.set()
+        """Stop: a send under way finishes first and none starts after, so nothing is pushed after
+        the caller's next message however slow the thread is; then reap the thread."""
+        with self._sending:
+            self.stopped.set()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=2.0)
 

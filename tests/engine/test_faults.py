@@ -4,6 +4,7 @@ others and the next request exactly (against transformers' own greedy generate).
 from __future__ import annotations
 
 import queue
+import time
 from collections import Counter
 
 import pytest
@@ -209,8 +210,11 @@ def test_the_background_loop_dying_ends_every_live_request_and_a_restart_serves(
     fail_on_call(engine._runner, "execute", lambda i, *a: i == 3, SystemExit("the loop's thread was told to exit"))
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
     engine.start()
-    for rid in ids:
-        engine._handle(rid).done.wait(timeout=120)
+    assert all(engine._handle(rid).done.wait(timeout=600) for rid in ids)
+    # The loop ends the requests, then its thread returns: wait for the thread, not for luck.
+    deadline = time.monotonic() + 600
+    while engine.is_running and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not engine.is_running
     for rid in ids:
         assert_failed(engine, rid, SystemExit)

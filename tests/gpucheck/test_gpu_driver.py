@@ -33,7 +33,7 @@ def test_a_hanging_part_is_cut_at_its_slice_and_keeps_its_rows(tmp_path):
     assert hung["status"] == "timed out after 5 s"
     assert hung["rows"]["standin"] == [{"i": 0}, {"i": 1}]
     assert hung["summary"] == ["two rows, then a hang"]
-    assert hung["seconds"] < SLICE_S + 10     # cut at its slice, not left to run
+    assert hung["seconds"] < SLICE_S + 60     # cut at its slice, not left to run its hour
     assert parts["passes"]["status"] == "pass"
     assert parts["passes"]["rows"]["standin"] == [{"ok": True}]
     assert code == 1

@@ -46,6 +46,10 @@ def text_of(cell) -> str:
     return "\n".join(parts)
 
 
+# 2,000 tokens, EOS or not (--min-tokens): a minute on any CPU, where an interrupt takes milliseconds.
+LONG_STORY = "--max-tokens 2000 --min-tokens 2000\nWrite a long story about a lighthouse keeper."
+
+
 def errors(cell) -> list[str]:
     return [f"{o.ename}: {o.evalue}" for o in cell.outputs if o.output_type == "error"]
 
@@ -55,7 +59,9 @@ def kernel():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "TOKENIZERS_PARALLELISM": "false"}
     km = KernelManager(kernel_name="python3")
-    client = NotebookClient(nbformat.v4.new_notebook(), km=km, timeout=300, allow_errors=True)
+    # A cell's last outputs may trail its reply on a busy machine: wait for them (120 s), never drop them.
+    client = NotebookClient(nbformat.v4.new_notebook(), km=km, timeout=300, allow_errors=True,
+                            iopub_timeout=120, raise_on_iopub_timeout=True)
     with client.setup_kernel(env=env):
         k = Kernel(client, km)
         k.execute("%load_ext jupyter_pagedkv")
@@ -152,7 +158,8 @@ def test_interrupt_aborts_the_cell_and_leaves_no_block_referenced(kernel, tmp_pa
         kernel.km.interrupt_kernel()
 
     threading.Thread(target=interrupt_once_generating, daemon=True).start()
-    cell = kernel.execute("%%generate --max-tokens 400\nWrite a long story about a lighthouse keeper.")
+    # LONG_STORY runs for a minute, so it is still running when the interrupt lands, however late.
+    cell = kernel.execute(f"%%generate {LONG_STORY}")
     assert flag.exists()
     assert any(e.startswith("KeyboardInterrupt") for e in errors(cell)), cell.outputs
     assert "interrupted: aborted 1 request of this cell and freed its blocks" in text_of(cell)
@@ -175,9 +182,9 @@ def test_monitor_comm_answers_a_snapshot_request(kernel):
     kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": comm_id, "data": {},
                                                        "target_name": "jupyter_pagedkv.monitor"}))
     kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {"request": "snapshot"}}))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        msg = kc.get_iopub_msg(timeout=30)
+        msg = kc.get_iopub_msg(timeout=120)
         if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == comm_id:
             data = msg["content"]["data"]
             break
@@ -197,13 +204,12 @@ def test_a_subscribed_monitor_gets_snapshots_while_a_cell_generates(kernel):
                                                        "target_name": "jupyter_pagedkv.monitor"}))
     kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id,
                                                       "data": {"request": "subscribe", "interval_ms": 200}}))
-    # A request far longer than three intervals (a long story runs for hundreds of tokens, seconds
-    # on any CPU); once three snapshots showed it running, the test interrupts the cell as the
-    # front end would.
-    msg_id = kc.execute("%%generate --max-tokens 2000\nWrite a long story about a lighthouse keeper.")
+    # A request far longer than three intervals (LONG_STORY: a minute on any CPU); once three
+    # snapshots showed it running, the test interrupts the cell as the front end would.
+    msg_id = kc.execute(f"%%generate {LONG_STORY}")
     running_seen, interrupted = 0, False
     while True:
-        msg = kc.get_iopub_msg(timeout=60)
+        msg = kc.get_iopub_msg(timeout=300)
         content = msg["content"]
         if msg["msg_type"] == "comm_msg" and content["comm_id"] == comm_id:
             if content["data"].get("response") == "snapshot" and content["data"]["stats"]["num_running"]:

@@ -127,7 +127,7 @@ def test_monitor_comm_sends_an_answer_per_message():
     assert comm.sent == [{"response": "snapshot", "loaded": False}]
 
 
-def wait_for(condition, timeout: float = 30.0) -> None:
+def wait_for(condition, timeout: float = 120.0) -> None:
     """Wait for a state, with a generous ceiling: no test depends on how fast this machine is."""
     deadline = time.monotonic() + timeout
     while not condition():

@@ -216,7 +216,7 @@ class PausingEngine:
     def deltas(self) -> None:
         for text in ("one ", "two "):
             self.listener.put(StreamDelta("r1", text, [1], False))
-        self.release.wait(timeout=30)
+        self.release.wait(timeout=600)   # pytest-timeout ends a test that never releases
         self.listener.put(StreamDelta("r1", "three", [1], True, "stop", output("one two three")))
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import select
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -27,7 +27,8 @@ vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="100"} 1.0
 
 
 class FakeServer(BaseHTTPRequestHandler):
-    """Serves model 'm'; the prompt text picks the behaviour: ok, drop, hang, error.
+    """Serves model 'm'; the prompt text picks the behaviour: ok, drop, hang (until the client
+    leaves), error.
 
     It records every request body (`bodies`) and models vLLM's `cache_salt`: a salted prompt hits
     2 of its 3 tokens only when the same salt sent it before (`salted`); an unsalted one always
@@ -116,8 +117,8 @@ class FakeServer(BaseHTTPRequestHandler):
             first["prompt_logprobs"] = [None, {"6": {"logprob": -2.0, "rank": 4, "decoded_token": " b"}},
                                         {"7": {"logprob": -0.25, "rank": 1, "decoded_token": " c"}}]
         send({"choices": [first], "prompt_token_ids": [5, 6, 7]})
-        if prompt == "hang":
-            time.sleep(3)
+        if prompt == "hang":    # nothing more until the client goes (a timeout, an abort): EOF wakes it
+            select.select([self.connection], [], [], 600)
             return
         send({"choices": [{"index": 0, "text": " world", "token_ids": [2], **logprobs(2)}]})
         if prompt == "drop":

@@ -79,7 +79,7 @@ def test_a_server_that_would_ignore_the_salt_is_refused_before_sending(fake, ver
         client.generate("ok", TWO, tenant="alice")
     assert "\n" not in str(info.value) and url in str(info.value)
     assert isinstance(info.value, UnsupportedByServer) and isinstance(info.value, ValueError)
-    assert handler.bodies == [] and request_threads() == before
+    assert handler.bodies == [] and request_threads() <= before     # none started (an old one may end)
     assert not client.live_requests() and not client.finished_requests
     assert client.generate("ok", TWO)[0].text == "Hello world"   # without tenant= it still serves
 
@@ -97,7 +97,7 @@ def test_a_400_naming_cache_salt_is_one_line_and_ends_only_that_request(fake):
     assert "\n" not in str(info.value)
     failed = client.finished_requests[-1]
     assert failed.finish[0] == "error" and failed.tenant == "alice"
-    failed.thread.join(5)
+    failed.thread.join(600)
     assert not failed.thread.is_alive() and not client.live_requests()
     assert client.generate("ok", TWO)[0].text == "Hello world"
 

@@ -50,18 +50,18 @@ def test_one_line_errors(fake, monkeypatch):
 
 
 def test_dropped_and_stalled_streams_end_the_request(fake):
+    """A dropped stream is an error at once; a stalled one (the server sends nothing more until the
+    client leaves) ends at the client's timeout, the one thing that can end it."""
     _, url = fake
-    client = Engine.connect(url, timeout=1.0)
-    t0 = time.monotonic()
+    patient, impatient = Engine.connect(url, timeout=600.0), Engine.connect(url, timeout=1.0)
     with pytest.raises(RemoteError, match="dropped before the end .* output so far is kept"):
-        client.generate("drop")
+        patient.generate("drop")
     with pytest.raises(RemoteError, match=r"did not answer while streaming within 1 s"):
-        client.generate("hang")
-    assert time.monotonic() - t0 < 10
-    failed = list(client.finished_requests)
+        impatient.generate("hang")
+    failed = [*patient.finished_requests, *impatient.finished_requests]
     assert [r.finish[0] for r in failed] == ["error", "error"]
     assert failed[0].texts[0] == "Hello world"
-    assert not client.live_requests()
+    assert not patient.live_requests() and not impatient.live_requests()
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -97,13 +97,13 @@ def test_bad_prompts_and_messages_are_refused_before_anything_is_sent(fake):
 
 def test_abort_closes_the_stream(fake):
     _, url = fake
-    client = Engine.connect(url, timeout=10.0)
-    rid = client.add_request("hang")
+    client = Engine.connect(url, timeout=600.0)
+    rid = client.add_request("hang")   # cannot end before the abort: the server waits for the client
     time.sleep(0.3)                   # usually streaming by now; an abort before the connect ends it too
     assert client.abort(rid)
     req = client.finished_requests[-1]
     assert req.error is None and req.finish[0] == "abort"
-    req.thread.join(60)               # shutting the socket unblocks the reader: its thread ends
+    req.thread.join(600)              # shutting the socket unblocks the reader: its thread ends
     assert not req.thread.is_alive()
     assert not client.abort(rid)
 

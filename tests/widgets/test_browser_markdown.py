@@ -130,7 +130,7 @@ def page(lab, server):
     import nbformat
 
     _, url = server
-    cells = ["%load_ext jupyter_pagedkv", f"%pagedkv connect {url} --model m",
+    cells = ["%load_ext jupyter_pagedkv", f"%pagedkv connect {url} --model m --timeout 600",
              "%%generate --max-tokens 200\nExplain paging."]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -179,7 +179,7 @@ def test_a_streaming_answer_renders_its_markdown_while_its_code_fence_is_still_o
     assert handler.paused.wait(timeout=120), "the kernel never asked the scripted server"
     # The renderer shows the latest text within its 0.25 s interval even with nothing more
     # arriving; the front end then renders and highlights it asynchronously: poll until it has.
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     shown = read(page)
     while time.monotonic() < deadline:
         try:

@@ -23,13 +23,6 @@ PROMPTS = random_prompts(4, 256, seed=11)
 LOOPING = [p[:5] * 3 for p in PROMPTS]
 
 
-def unmeasured(engine):
-    """Speculation sized without wall-clock measurements (which vary with the machine's load):
-    every draft length keeps its assumed cost, so what is drafted depends on the tokens alone."""
-    engine._speculator.cost.observe = lambda num_tokens, seconds: None
-    return engine
-
-
 @torch.inference_mode()
 def hf_generate(prompt: list[int], stop_at_eos: bool = False, **processors) -> list[int]:
     """Transformers' greedy `generate` with its own logits processors: the oracle."""
@@ -100,7 +93,7 @@ def test_processors_stay_exact_under_preemption_prefix_hits_and_speculation(make
     kwargs = {"recompute": dict(num_blocks=20), "swap": dict(num_blocks=20, preemption_mode="swap",
                                                              swap_space="4MiB"),
               "speculative": dict(num_blocks=256, speculative="ngram"), "prefix-hit": dict(num_blocks=256)}[how]
-    engine = unmeasured(make_engine(MODEL, block_size=4, **kwargs))
+    engine = make_engine(MODEL, block_size=4, **kwargs)   # speculation unmeasured (conftest)
     prompts = {"speculative": [PROMPTS[0][:6] * 4, LOOPING[2]], "prefix-hit": [PROMPTS[0][:12] + p for p in PROMPTS[1:3]]}.get(how, PROMPTS)
     if how == "prefix-hit":
         ours(engine, [prompts[0]])   # caches the shared 12-token prefix (3 blocks)
@@ -119,7 +112,7 @@ def test_processors_stay_exact_under_preemption_prefix_hits_and_speculation(make
 
 def test_speculation_with_processors_sees_the_drafts_before_each_position(make_engine):
     """A draft that is only banned because of the draft before it (a bad pair) must be rejected."""
-    engine = unmeasured(make_engine(MODEL, block_size=4, num_blocks=256, speculative="ngram"))
+    engine = make_engine(MODEL, block_size=4, num_blocks=256, speculative="ngram")
     prompt = PROMPTS[0][:6] * 4
     base = plain(prompt)   # loops with period 4 from token 4 on: n-gram drafts are mostly right
     pair = [base[9], base[10]]
