@@ -8,7 +8,8 @@ view written against it draws a server exactly as it draws the kernel's own engi
 from __future__ import annotations
 
 import queue
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, Self, Sequence, runtime_checkable
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Iterable, Iterator, Protocol, Self, Sequence, runtime_checkable
 
 from .core.miss_report import MissReport, PrefixLedger
 from .core.sampling_params import SamplingParams
@@ -36,8 +37,9 @@ class EngineClient(Protocol):
         """Queue one request; its StreamDeltas go to `listener`. Bad input: ValueError, one line.
         `tenant` names who sent it (prefix isolation under prefix_cache_scope="tenant")."""
 
-    def admission(self) -> ContextManager:
-        """Requests added inside `with client.admission():` start together (GenerationFront)."""
+    def admission(self) -> AbstractContextManager[None]:
+        """Requests added inside `with client.admission():` are queued before the engine's next
+        step (GenerationFront.admission); add only, wait after the block."""
 
     def abort(self, request_id: str) -> bool:
         """Cancel a live request and free what it holds; False if it was not live."""

@@ -241,7 +241,8 @@ class Engine(GenerationFront):
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its blocks at once; False if it was not live."""
         with self._lock:
-            if (req := self._requests.get(request_id)) is None or req.finished:
+            req = self._requests.get(request_id)
+            if req is None or req.finished:
                 return False
             self._stepping.abort(req)
             return True
@@ -294,7 +295,6 @@ class Engine(GenerationFront):
 
     # -- background stepping ------------------------------------------------------------------------
     is_running = property(lambda self: self._loop.is_running, doc="whether the background loop steps")
-    admission = lambda self: self._lock   # noqa: E731  GenerationFront.admission: adds hold the lock
 
     def start(self) -> None:
         """Step in a background thread whenever there is work (cells and widgets share the engine)."""

@@ -5,16 +5,21 @@ A host provides `add_request(prompt, params, request_id=None, priority=0, listen
 `abort(request_id)`, `is_running` (a loop steps it in the background), `step()` (called by the
 caller's thread otherwise, through `_advance()`, which a host may make cheaper by not building the
 step's outputs), `_handle(request_id)` (an object with a `done` Event and an `error`),
-`_result(handle)` (its RequestOutput) and `apply_chat_template(messages)`.
+`_result(handle)` (its RequestOutput) and `apply_chat_template(messages)`; one that steps in a
+background thread sets `_loop` (its StepLoop), which `admission()` holds.
 """
 from __future__ import annotations
 
 import contextlib
 import queue
-from typing import Any, ContextManager, Iterator, Sequence as Seq
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence as Seq
 
 from ..core.sampling_params import SamplingParams, is_int, show
 from .outputs import RequestOutput, StreamDelta
+
+if TYPE_CHECKING:
+    from .background import StepLoop
 
 
 def is_single_prompt(prompt: Any) -> bool:
@@ -68,12 +73,21 @@ def param_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> l
 class GenerationFront:
     """The high-level calls; see the module docstring for what a host must provide."""
 
-    def admission(self) -> ContextManager:
-        """`with host.admission():` the requests added inside join together: the local engine
-        holds its lock, so no step runs between two of them and a cell's prompts start in one
-        step (the stepping thread may otherwise take the lock back for several steps in a row);
-        a server admits each request as it arrives, so there it changes nothing."""
-        return contextlib.nullcontext()
+    # A host that steps in a background thread sets this (the local engine's StepLoop).
+    _loop: StepLoop | None = None
+
+    def admission(self) -> AbstractContextManager[None]:
+        """`with host.admission():` the requests added inside are all queued before the
+        background loop's next step, so the scheduler considers them together (the loop may
+        otherwise step between two adds, several times on a busy machine). Only add (or abort)
+        inside: the loop takes no step there, so waiting on a request would never end (`generate`
+        and `stream` refuse to). A server admits each request as it arrives: a no-op there."""
+        return self._loop.held() if self._loop is not None else contextlib.nullcontext()
+
+    def _refuse_waiting_in_admission(self) -> None:
+        if self._loop is not None and self.is_running and self._loop.held_here():
+            raise RuntimeError("cannot wait for requests inside `with engine.admission():` (the engine takes "
+                               "no step there): add them inside, wait after the block")
 
     def _advance(self) -> None:
         """One step for a caller that reads results from the handles and listeners, not from the
@@ -106,6 +120,7 @@ class GenerationFront:
     def stream(self, prompt, params: SamplingParams | None = None,
                request_id: str | None = None, tenant: str | None = None) -> Iterator[StreamDelta]:
         """Yield text increments as they are generated; closing the iterator aborts the request."""
+        self._refuse_waiting_in_admission()
         listener: queue.SimpleQueue = queue.SimpleQueue()
         rid = self.add_request(prompt, params, request_id, listener=listener, tenant=tenant)
         handle = self._handle(rid)
@@ -131,7 +146,9 @@ class GenerationFront:
     # -- shared -------------------------------------------------------------------------------------
     def _submit_all(self, prompts: list, params: list, tenant: str | None = None,
                     priorities: list | None = None) -> list[str]:
-        """Add every request, or none: a rejected one aborts those already added."""
+        """Add every request, or none: a rejected one aborts those already added. Its callers
+        then wait for them, which `admission()` would never let end."""
+        self._refuse_waiting_in_admission()
         ids: list[str] = []
         try:
             with self.admission():

@@ -116,11 +116,12 @@ class CellRun:
         return [p.request_id for p in self.panels]
 
     def submit(self, prompts: Sequence, params: SamplingParams) -> list[str]:
-        """Add every prompt, together; if one is rejected (ValueError), abort the ones already added."""
+        """Add every prompt, all queued before the engine's next step (`admission()`); if one is
+        rejected (ValueError), abort the ones already added."""
         try:
             beams = getattr(params, "beam_width", None)
             n, kind = (beams, "beam") if beams else (getattr(params, "n", 1) or 1, "sample")
-            with self.engine.admission():      # the cell's prompts start in the same step
+            with self.engine.admission():      # the scheduler considers the cell's prompts together
                 for prompt, label in zip(prompts, self._labels):
                     rid = self.engine.add_request(prompt, params, priority=self.priority,
                                                   listener=self.queue, tenant=self.tenant)

@@ -53,12 +53,12 @@ def test_background_thread_serves_concurrent_callers(make_engine):
     assert streamed == expected[1]
 
 
-def test_requests_added_under_admission_start_in_the_same_step(make_engine):
-    """`with engine.admission():` holds the engine's lock, so the background loop cannot take a
-    step between two adds (it may otherwise win the lock back for several steps in a row): all
-    three prompts are in its first step, as a cell's prompts and a `generate` list are. Between
-    two adds the test gives the loop half a second to step: it cannot (without the hold it would,
-    and its first step would hold one prompt)."""
+def test_requests_added_under_admission_are_all_in_the_loops_next_step(make_engine):
+    """`with engine.admission():` the background loop takes no step, so all three prompts are
+    queued before its next one and its first step holds them all (they fit one step's budget), as
+    a cell's prompts and a `generate` list are. Between two adds the test gives the loop half a
+    second to step: it cannot (without the hold it would, and its first step would hold one
+    prompt). The engine's lock is not held meanwhile: another thread reads its stats."""
     engine = make_engine(MODEL)
     engine.trace = []
     stepped = threading.Event()
@@ -70,10 +70,18 @@ def test_requests_added_under_admission_start_in_the_same_step(make_engine):
             for p in PROMPTS:
                 ids.append(engine.add_request(p, GREEDY))
                 assert not stepped.wait(0.5)
+            reader = threading.Thread(target=engine.stats)
+            reader.start()
+            reader.join()               # would never return were the lock held here
+            with pytest.raises(RuntimeError, match=r"^cannot wait for requests inside `with engine.admission\(\):`"):
+                engine.generate([PROMPTS[0]], GREEDY)
+            with pytest.raises(RuntimeError, match="wait after the block"):
+                next(engine.stream(PROMPTS[0], GREEDY))
         assert all(engine._handle(rid).done.wait(600) for rid in ids)
     finally:
         engine.stop()
     assert {chunk[0] for chunk in engine.trace[0].chunks} == set(ids)
+    assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids      # after the block: served
 
 
 def test_abort_frees_blocks_at_once_and_reports_abort(make_engine):

@@ -20,6 +20,8 @@ from nbclient import NotebookClient
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 FOOTER = re.compile(r"\[(\d+) tokens generated · (\d+)/(\d+) prompt tokens cached · TTFT \d+ ms")
+# 2,000 tokens, EOS or not (--min-tokens): a minute on any CPU, where an interrupt takes milliseconds.
+LONG_STORY = "--max-tokens 2000 --min-tokens 2000\nWrite a long story about a lighthouse keeper."
 
 
 class Kernel:
@@ -44,10 +46,6 @@ def text_of(cell) -> str:
         elif out.output_type == "error":
             parts.append(f"{out.ename}: {out.evalue}")
     return "\n".join(parts)
-
-
-# 2,000 tokens, EOS or not (--min-tokens): a minute on any CPU, where an interrupt takes milliseconds.
-LONG_STORY = "--max-tokens 2000 --min-tokens 2000\nWrite a long story about a lighthouse keeper."
 
 
 def errors(cell) -> list[str]:
@@ -158,7 +156,8 @@ def test_interrupt_aborts_the_cell_and_leaves_no_block_referenced(kernel, tmp_pa
         kernel.km.interrupt_kernel()
 
     threading.Thread(target=interrupt_once_generating, daemon=True).start()
-    # LONG_STORY runs for a minute, so it is still running when the interrupt lands, however late.
+    # LONG_STORY runs for about a minute: still running when the interrupt lands, unless the test
+    # thread sends it a minute late.
     cell = kernel.execute(f"%%generate {LONG_STORY}")
     assert flag.exists()
     assert any(e.startswith("KeyboardInterrupt") for e in errors(cell)), cell.outputs

@@ -113,7 +113,8 @@ def test_write_kv_quantizes_code_for_code_as_the_reference(kernels, kind, dtype)
     # casts to are the platform's (the interpreter's fp8 cast gives 384, a GPU's NaN), so that row
     # is compared by what it reads back; the rest bit for bit.
     at = (40 // 16, 40 % 16, 2)
-    got = [t.cpu().clone().view(torch.uint8) if t.element_size() == 1 else t.cpu().clone() for t in (*caches, *scales)]
+    got = [t.cpu().clone() for t in (*caches, *scales)]
+    got = [t.view(torch.uint8) if t.element_size() == 1 else t for t in got]
     want = [t.view(torch.uint8) if t.element_size() == 1 else t for t in expected]
     for codes, scale in ((got[0], got[2]), (got[1], got[3]), (want[0], want[2]), (want[1], want[3])):
         assert bool((codes[at].view(CODES[kind]).float() * scale[at].float()).isnan().all())
