@@ -166,10 +166,11 @@ def test_light_and_dark_themes_keep_states_apart_and_text_readable(page):
     light = assert_readable(page, "light")
     page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
     page.wait_for_selector("body[data-jp-theme-light='false']", state="attached", timeout=120_000)
-    page.wait_for_timeout(1000)                  # the theme's stylesheet is in once the attribute is set
-    dark_free = page.evaluate("""() => { const c = document.createElement('canvas').getContext('2d');
+    # The theme's stylesheet may land after the attribute: read its grey until it is the dark one.
+    dark_free = settle(lambda: page.evaluate("""() => { const c = document.createElement('canvas').getContext('2d');
         c.fillStyle = getComputedStyle(document.body).getPropertyValue('--jp-layout-color2').trim();
-        const n = parseInt(c.fillStyle.slice(1), 16); return [n >> 16, (n >> 8) & 255, n & 255]; }""")
+        const n = parseInt(c.fillStyle.slice(1), 16); return [n >> 16, (n >> 8) & 255, n & 255]; }"""),
+                       lambda rgb: sum(rgb) < sum(palette()["free"]), timeout=120)
     colors = {**{k: list(v) for k, v in palette().items()}, "free": dark_free}
     assert dark_free != colors["cached"] and sum(dark_free) < sum(palette()["free"]), dark_free
     # The map repaints on the theme change alone (no new frame): free cells in the dark grey.
