@@ -144,22 +144,22 @@ def test_magics_connect_stream_and_chat_cached_tokens(server, ip, capsys, monkey
     assert session.current().engine is None
 
 
-def _until(client, done, deadline: float):
-    """Scrape until `done(stats)` holds (or the deadline passes): the last scrape, for the caller's
-    assertions. /metrics trails the streams, so a counter is read once it has caught up."""
-    s = client.stats()
-    while not done(s) and time.monotonic() < deadline:
+def _until(read, done, deadline: float):
+    """Read (`client.stats`: a /metrics scrape) until `done(reading)` holds or the deadline passes:
+    the last reading, for the caller's assertions. /metrics and the KV events trail the streams, so
+    a counter is read once it has caught up."""
+    r = read()
+    while not done(r) and time.monotonic() < deadline:
         time.sleep(0.05)
-        s = client.stats()
-    return s
+        r = read()
+    return r
 
 
 def _events_reach(client, count: int, deadline: float) -> int:
     """The KV-event block count once it reaches `count` (or the deadline passes) and the stream is
     then quiet: the publisher can trail the requests by more than any quiet spell, so the wait is
     for the count, and the quiet spell after it catches anything extra (an overshoot shows at once)."""
-    while client.events.snapshot().num_blocks < count and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: client.events.snapshot().num_blocks, lambda n: n >= count, deadline)
     client.events.wait_quiet()
     return client.events.snapshot().num_blocks
 
@@ -169,7 +169,7 @@ def _settled(client, deadline: float):
     records a step's stats just after it streams the step's tokens, so a scrape right after a
     request ended can miss its last step; that record is the one that takes the running gauge
     back to 0 (the step before it, the request still ran), so waiting for 0 waits for it."""
-    s = _until(client, lambda s: s.num_running == 0 and s.num_waiting == 0, deadline)
+    s = _until(client.stats, lambda s: s.num_running == 0 and s.num_waiting == 0, deadline)
     assert s.num_running == 0 and s.num_waiting == 0, "the server still reported requests after its deadline"
     return s
 
@@ -187,7 +187,7 @@ def test_counters_and_kv_events_add_up_after_a_run(client):
     outs = [client._result(h) for h in handles]
     assert all(o.finish_reason == "length" and len(o.token_ids) == NEW for o in outs)
     # The counters trail the streams: wait for the finish count, then every counter is exact.
-    after = _until(client, lambda s: s.num_finished - before.num_finished >= 16, deadline)
+    after = _until(client.stats, lambda s: s.num_finished - before.num_finished >= 16, deadline)
     assert after.num_finished - before.num_finished == 16 and after.num_running == 0
     assert after.num_generated_tokens - before.num_generated_tokens == 16 * NEW
     assert after.prefix_cache_queries - before.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in outs)
@@ -239,7 +239,7 @@ def test_gauges_move_while_requests_run(client):
     # the API server records gauges on separate threads, each of which a busy 2-core machine can
     # starve for seconds, so either may trail. The exact count is the test above; that events
     # arrive during a run is the next one.
-    assert _until(client, lambda s: s.num_running == 0, deadline).num_running == 0
+    assert _until(client.stats, lambda s: s.num_running == 0, deadline).num_running == 0
     assert not client.live_requests()
 
 
@@ -279,7 +279,7 @@ def test_kv_events_arrive_while_a_request_runs(client):
     finally:
         client.abort(rid)
     assert published and running, f"no KV event arrived while a request ran ({attempt + 1} attempts)"
-    assert _until(client, lambda s: s.num_running == 0, deadline).num_running == 0
+    assert _until(client.stats, lambda s: s.num_running == 0, deadline).num_running == 0
     assert not client.live_requests()
 
 
